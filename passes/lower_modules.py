@@ -1,0 +1,111 @@
+"""Module calls -> the torch functions they compute, so parameters become visible graph inputs.
+
+fx keeps torch.nn modules as leaf `call_module` nodes. This pass rewrites the ones whose
+computation is a single torch function (Linear, Conv, Embedding, norms, dropout) into that function
+with `get_attr` reads of the module's parameters and buffers. Train/eval-dependent modules read
+`self.training` at run time, so `.eval()` on an emitted module switches them like on the original.
+
+Invariant: the graph computes what the module calls computed; leaf modules not in the table
+(e.g. nn.MultiheadAttention) stay `call_module` and are handled by the gather fallback.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+
+def batch_norm_module(x, running_mean, running_var, num_batches_tracked, weight, bias,
+                      training: bool, momentum, eps: float, track_running_stats: bool):
+    """nn.BatchNorm*'s forward as a function of its tensors and flags."""
+    factor = 0.0 if momentum is None else momentum
+    if training and track_running_stats and num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+        factor = 1.0 / float(num_batches_tracked) if momentum is None else momentum
+    use_batch_stats = training or (running_mean is None and running_var is None)
+    keep_stats = not training or track_running_stats
+    return F.batch_norm(x, running_mean if keep_stats else None,
+                        running_var if keep_stats else None, weight, bias,
+                        use_batch_stats, factor, eps)
+
+
+def _conv_fn(m):
+    transposed = isinstance(m, nn.modules.conv._ConvTransposeNd)
+    n = len(m.kernel_size)
+    return getattr(F, f"conv_transpose{n}d" if transposed else f"conv{n}d")
+
+
+def _lower_conv(m, x, read, emit):
+    if isinstance(m, nn.modules.conv._ConvTransposeNd):
+        if m.padding_mode != "zeros":
+            return None
+        return _conv_fn(m), (x, read("weight"), read("bias"), m.stride, m.padding,
+                             m.output_padding, m.groups, m.dilation)
+    if m.padding_mode != "zeros":
+        padded = emit(F.pad, (x, m._reversed_padding_repeated_twice), {"mode": m.padding_mode})
+        return _conv_fn(m), (padded, read("weight"), read("bias"), m.stride,
+                             (0,) * len(m.kernel_size), m.dilation, m.groups)
+    return _conv_fn(m), (x, read("weight"), read("bias"), m.stride, m.padding, m.dilation,
+                         m.groups)
+
+
+def _lower(m: nn.Module, x, read, training, emit):
+    """(function, args) computing module `m` on input `x`; None when `m` is not in the table."""
+    if type(m) is nn.Linear:
+        return F.linear, (x, read("weight"), read("bias"))
+    if isinstance(m, nn.modules.conv._ConvNd):
+        return _lower_conv(m, x, read, emit)
+    if type(m) is nn.Embedding:
+        return F.embedding, (x, read("weight"), m.padding_idx, m.max_norm, m.norm_type,
+                             m.scale_grad_by_freq, m.sparse)
+    if type(m) is nn.LayerNorm:
+        return F.layer_norm, (x, m.normalized_shape, read("weight"), read("bias"), m.eps)
+    if type(m) is nn.RMSNorm:
+        return F.rms_norm, (x, m.normalized_shape, read("weight"), m.eps)
+    if type(m) is nn.GroupNorm:
+        return F.group_norm, (x, m.num_groups, read("weight"), read("bias"), m.eps)
+    if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm):
+        return batch_norm_module, (x, read("running_mean"), read("running_var"),
+                                   read("num_batches_tracked"), read("weight"), read("bias"),
+                                   training, m.momentum, m.eps, m.track_running_stats)
+    dropouts = {nn.Dropout: F.dropout, nn.Dropout1d: F.dropout1d, nn.Dropout2d: F.dropout2d,
+                nn.Dropout3d: F.dropout3d}
+    if type(m) in dropouts:
+        return dropouts[type(m)], (x, m.p, training, m.inplace)
+    return None
+
+
+def lower_modules(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite known torch.nn leaf calls into torch functions over get_attr'd tensors."""
+    graph = gm.graph
+    training = None
+    for node in list(graph.nodes):
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+            continue
+        module = gm.get_submodule(node.target)
+        with graph.inserting_before(node):
+            if training is None:
+                with warnings.catch_warnings():  # `training` is a plain attribute, read at run time
+                    warnings.simplefilter("ignore", UserWarning)
+                    training = graph.get_attr("training")
+
+            def read(name, prefix=node.target, module=module):
+                value = getattr(module, name, None)
+                return graph.get_attr(f"{prefix}.{name}") if value is not None else None
+
+            lowered = _lower(module, node.args[0], read, training, graph.call_function)
+            if lowered is None:
+                continue
+            new = graph.call_function(*lowered)
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.op != "get_attr")
+    gm.recompile()
+    return gm
+
+
+__all__ = ["lower_modules", "batch_norm_module"]

@@ -1,0 +1,216 @@
+"""Adapters: a graph node at any capture level -> `OpCall` (rule, input, parameters by role).
+
+One table row per op target, for torch-function graphs (fx, dynamo) and aten graphs
+(torch.export) alike; each adapter reads the node's arguments by name and says which is the
+activation and which are parameters. A node that reads a parameter but has no adapter (or
+whose arguments the rule cannot shard) gets `None`: the plan gathers its parameters instead.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from rtp_compile.op_rules import RULES, OpCall, affine
+
+aten = torch.ops.aten
+
+
+def parameter_reads(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """get_attr nodes that read a parameter -> the parameter's name."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    return {n: n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target in params}
+
+
+def _transposed_param(value, reads):
+    """(name, transposed) when `value` is a parameter or its 2-D transpose, else (None, False)."""
+    if value in reads:
+        return reads[value], False
+    if isinstance(value, fx.Node) and value.args and value.args[0] in reads:
+        is_t = (value.op == "call_method" and value.target == "t") or value.target in (
+            aten.t.default, torch.t)
+        is_swap = value.target in ("transpose", aten.transpose.int, torch.transpose) and \
+            sorted(a % 2 for a in value.args[1:3]) == [0, 1] if len(value.args) >= 3 else False
+        if is_t or is_swap:
+            return reads[value.args[0]], True
+    return None, False
+
+
+def _kwargs(node: fx.Node, gm) -> dict | None:
+    bound = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+    return None if bound is None else dict(bound.kwargs)
+
+
+def _is_activation(value, reads) -> bool:
+    return isinstance(value, fx.Node) and value not in reads
+
+
+def _roles(**params) -> dict[str, str]:
+    return {role: name for role, name in params.items() if name is not None}
+
+
+def _linear(x, weight, bias, reads, transposed_storage=False):
+    """Linear-like op; `transposed_storage`: the op multiplies by the weight as stored [in, out]."""
+    wname, transposed = _transposed_param(weight, reads)
+    if wname is None or not _is_activation(x, reads):
+        return None
+    if bias is not None and bias not in reads:
+        return None
+    return OpCall(RULES["linear"], x, _roles(weight=wname, bias=reads.get(bias)),
+                  {"transposed": transposed != transposed_storage})
+
+
+def _linear_adapter(node, gm, reads):
+    k = _kwargs(node, gm)
+    return k and _linear(k["input"], k["weight"], k.get("bias"), reads)
+
+
+def _addmm_adapter(node, gm, reads):
+    k = _kwargs(node, gm)
+    if not k or k.get("beta", 1) != 1 or k.get("alpha", 1) != 1:
+        return None
+    return _linear(k["mat1"], k["mat2"], k["input"], reads, transposed_storage=True)
+
+
+def _matmul_adapter(node, gm, reads):
+    x, w = node.args[:2] if len(node.args) >= 2 else (None, None)
+    return _linear(x, w, None, reads, transposed_storage=True)
+
+
+def _pair(v, n):
+    return list(v) if isinstance(v, (list, tuple)) else [v] * n
+
+
+def _conv(node, gm, reads, transposed, n):
+    k = _kwargs(node, gm)
+    if not k or k.get("groups", 1) != 1:
+        return None
+    weight, bias, x = k["weight"], k.get("bias"), k["input"]
+    if weight not in reads or not _is_activation(x, reads) or (bias is not None and bias not in reads):
+        return None
+    n = n or len(gm.get_parameter(reads[weight]).shape) - 2
+    stride, dilation = _pair(k.get("stride", 1), n), _pair(k.get("dilation", 1), n)
+    padding = k.get("padding", 0)
+    if isinstance(padding, str):
+        ksize = gm.get_parameter(reads[weight]).shape[2:]
+        total = [d * (s - 1) for d, s in zip(dilation, ksize)]
+        if padding == "valid":
+            padding = [0] * n
+        elif padding == "same" and all(t % 2 == 0 for t in total):
+            padding = [t // 2 for t in total]
+        else:
+            return None  # asymmetric "same" padding: gathered
+    options = {"stride": stride, "padding": _pair(padding, n), "dilation": dilation,
+               "transposed": transposed,
+               "output_padding": _pair(k.get("output_padding", 0), n)}
+    return OpCall(RULES["conv"], x, _roles(weight=reads[weight], bias=reads.get(bias)), options)
+
+
+def _convolution_adapter(node, gm, reads):
+    k = _kwargs(node, gm)
+    return k and _conv(node, gm, reads, bool(k["transposed"]), None)
+
+
+def _conv_adapter(transposed, n):
+    return lambda node, gm, reads: _conv(node, gm, reads, transposed, n)
+
+
+def _embedding(idx, weight, padding_idx, scale_grad_by_freq, reads, gm):
+    if weight not in reads or not _is_activation(idx, reads):
+        return None
+    num = gm.get_parameter(reads[weight]).shape[0]
+    options = {"padding_idx": None if padding_idx is None else padding_idx % num,
+               "scale_grad_by_freq": bool(scale_grad_by_freq)}
+    return OpCall(RULES["embedding"], idx, {"weight": reads[weight]}, options)
+
+
+def _embedding_adapter(node, gm, reads):
+    k = _kwargs(node, gm)
+    if not k or k.get("max_norm") is not None or k.get("sparse"):
+        return None  # renorm writes the weight; sparse grads: gathered
+    return _embedding(k["input"], k["weight"], k.get("padding_idx"), k.get("scale_grad_by_freq"),
+                      reads, gm)
+
+
+def _aten_embedding_adapter(node, gm, reads):
+    k = _kwargs(node, gm)
+    if not k or k.get("sparse"):
+        return None
+    padding_idx = k.get("padding_idx", -1)
+    return _embedding(k["indices"], k["weight"], None if padding_idx == -1 else padding_idx,
+                      k.get("scale_grad_by_freq"), reads, gm)
+
+
+def _elementwise(x, weight, bias, dim, reads, gm):
+    if not _is_activation(x, reads):
+        return None
+    params = [p for p in (weight, bias) if p is not None]
+    if not params or any(p not in reads for p in params):
+        return None
+    shapes = {tuple(gm.get_parameter(reads[p]).shape) for p in params}
+    if len(shapes) != 1 or (dim >= 0 and len(next(iter(shapes))) != 1):
+        return None
+    return OpCall(RULES["elementwise"], x, _roles(weight=reads.get(weight), bias=reads.get(bias)),
+                  {"dim": dim})
+
+
+def _affine_adapter(node, gm, reads):
+    x, weight, bias, dim = node.args
+    return _elementwise(x, weight, bias, dim, reads, gm)
+
+
+def _binary_adapter(role):
+    def adapter(node, gm, reads):
+        if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+            return None
+        a, b = node.args
+        param, x = (a, b) if a in reads else (b, a)
+        if param not in reads:
+            return None
+        return _elementwise(x, param if role == "weight" else None,
+                            param if role == "bias" else None, -1, reads, gm)
+    return adapter
+
+
+ADAPTERS = {
+    # torch-function level (fx after lower_modules, dynamo)
+    F.linear: _linear_adapter,
+    torch.addmm: _addmm_adapter,
+    torch.matmul: _matmul_adapter, operator.matmul: _matmul_adapter, torch.mm: _matmul_adapter,
+    F.conv1d: _conv_adapter(False, 1), F.conv2d: _conv_adapter(False, 2),
+    F.conv3d: _conv_adapter(False, 3),
+    F.conv_transpose1d: _conv_adapter(True, 1), F.conv_transpose2d: _conv_adapter(True, 2),
+    F.conv_transpose3d: _conv_adapter(True, 3),
+    F.embedding: _embedding_adapter,
+    affine: _affine_adapter,
+    operator.mul: _binary_adapter("weight"), torch.mul: _binary_adapter("weight"),
+    operator.add: _binary_adapter("bias"), torch.add: _binary_adapter("bias"),
+    # aten level (torch.export training IR)
+    aten.linear.default: _linear_adapter,
+    aten.addmm.default: _addmm_adapter,
+    aten.mm.default: _matmul_adapter, aten.matmul.default: _matmul_adapter,
+    aten.conv1d.default: _conv_adapter(False, 1), aten.conv2d.default: _conv_adapter(False, 2),
+    aten.conv3d.default: _conv_adapter(False, 3),
+    aten.conv1d.padding: _conv_adapter(False, 1), aten.conv2d.padding: _conv_adapter(False, 2),
+    aten.conv3d.padding: _conv_adapter(False, 3),
+    aten.conv_transpose1d.default: _conv_adapter(True, 1),
+    aten.conv_transpose2d.input: _conv_adapter(True, 2),
+    aten.conv_transpose3d.input: _conv_adapter(True, 3),
+    aten.convolution.default: _convolution_adapter,
+    aten.embedding.default: _aten_embedding_adapter,
+    aten.mul.Tensor: _binary_adapter("weight"),
+    aten.add.Tensor: _binary_adapter("bias"),
+}
+if hasattr(torch._C._nn, "linear"):
+    ADAPTERS[torch._C._nn.linear] = _linear_adapter
+
+
+def match_op(node: fx.Node, gm: fx.GraphModule, reads: dict[fx.Node, str]) -> OpCall | None:
+    """The rule view of `node`, or None when it has no rule that can shard its parameters."""
+    adapter = ADAPTERS.get(node.target) if node.op == "call_function" else None
+    try:
+        return adapter(node, gm, reads) if adapter else None
+    except (TypeError, ValueError, KeyError):
+        return None  # arguments the adapter does not understand: gathered, never guessed

@@ -1,0 +1,243 @@
+"""Sharding plan: for every parameter a layout (shard dim, padded shard length) and for every
+weight-bearing node a unit: rotated with its rule's mode, or gathered (and why).
+
+Invariants: every parameter is sharded (no rank ever keeps a full replica); a parameter read by
+several nodes (tied weights, a layer called twice) has one layout that all its rotated uses share;
+a node whose op has no rule, or whose shard dims conflict with that layout, is gathered; sizes
+not divisible by N are padded, the padding is zero and never reaches a result.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from rtp_compile.op_rules import OpCall, Slot
+from rtp_compile.passes.match import match_op, parameter_reads
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How one parameter is cut into N equal (padded) shards; shard s lives on rank s."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    world_size: int
+    dim: int | None                      # None: the flattened parameter is cut
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def extent(self) -> int:
+        return math.prod(self.shape) if self.dim is None else self.shape[self.dim]
+
+    @property
+    def shard_len(self) -> int:
+        return max(1, math.ceil(self.extent / self.world_size))
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return (self.shard_len,)
+        return self.shape[:self.dim] + (self.shard_len,) + self.shape[self.dim + 1:]
+
+    @property
+    def shard_bytes(self) -> int:
+        return math.prod(self.shard_shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def slot(self, s: int) -> Slot:
+        offset = min(s * self.shard_len, self.extent)  # a shard past the end: empty, at the end
+        return Slot(offset, min(self.shard_len, self.extent - offset), self.shard_len)
+
+    def shard(self, full: torch.Tensor, s: int) -> torch.Tensor:
+        """Shard s of the full tensor, zero-padded to `shard_shape` (a new tensor)."""
+        src = full.reshape(-1) if self.dim is None else full
+        dim = 0 if self.dim is None else self.dim
+        slot = self.slot(s)
+        out = torch.zeros(self.shard_shape, dtype=full.dtype, device=full.device)
+        out.narrow(dim, 0, slot.valid).copy_(src.narrow(dim, slot.offset, slot.valid))
+        return out
+
+    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from all N shards (padding dropped)."""
+        dim = 0 if self.dim is None else self.dim
+        full = torch.cat(list(shards), dim).narrow(dim, 0, self.extent)
+        return full.reshape(self.shape) if self.dim is None else full
+
+
+@dataclass
+class Unit:
+    """One weight-bearing node of the graph and how it runs."""
+    name: str                            # attribute-safe, unique
+    node: str                            # node name in the captured graph
+    kind: str                            # "rotate" | "gather"
+    params: dict[str, str]               # role -> parameter name
+    call: OpCall | None = None           # rotate: the rule view of the node
+    mode: str | None = None              # rotate: the rule's mode
+    reason: str = ""                     # gather: why it was not rotated
+    target: str = ""                     # what the node calls, for reports
+
+
+@dataclass
+class Plan:
+    """The sharding plan of a model for `world_size` ranks."""
+    world_size: int
+    params: dict[str, ParamLayout]
+    units: list[Unit] = field(default_factory=list)
+
+    def strategy(self, name: str) -> str:
+        kinds = {u.kind for u in self.units if name in u.params.values()}
+        return "gather" if "gather" in kinds else "rotate" if kinds else "unused"
+
+    def units_of(self, name: str) -> list[Unit]:
+        return [u for u in self.units if name in u.params.values()]
+
+    def unit_for_node(self) -> dict[str, Unit]:
+        return {u.node: u for u in self.units}
+
+    def __str__(self) -> str:
+        rows = [("parameter", "shape", "strategy", "dim", "units", "shard", "bytes/rank")]
+        for name, lay in self.params.items():
+            units = ",".join(u.name for u in self.units_of(name)) or "-"
+            rows.append((name, "x".join(map(str, lay.shape)) or "scalar", self.strategy(name),
+                         "flat" if lay.dim is None else str(lay.dim), units,
+                         "x".join(map(str, lay.shard_shape)), f"{lay.shard_bytes:,}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        total = sum(lay.shard_bytes for lay in self.params.values())
+        lines.append(f"world size {self.world_size}: {len(self.params)} parameters, "
+                     f"{sum(u.kind == 'rotate' for u in self.units)} rotated and "
+                     f"{sum(u.kind == 'gather' for u in self.units)} gathered ops, "
+                     f"{total:,} parameter bytes per rank")
+        return "\n".join(lines)
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", None) or str(t)
+
+
+def _unit_name(base: str, taken: set[str]) -> str:
+    name = base.replace(".", "_") or "unit"
+    candidate, i = name, 1
+    while candidate in taken:
+        candidate, i = f"{name}_{i}", i + 1
+    taken.add(candidate)
+    return candidate
+
+
+def parameter_only_nodes(gm: fx.GraphModule, reads: dict[fx.Node, str]) -> set[fx.Node]:
+    """Parameter reads and the nodes computed from parameters and constants alone (w.t(), w*2)."""
+    constant = {n for n in gm.graph.nodes if n.op == "get_attr"}
+    only = set(reads)
+    for node in gm.graph.nodes:
+        inputs = node.all_input_nodes
+        if node.op in ("call_function", "call_method") and inputs and \
+                all(i in only or i in constant for i in inputs) and any(i in only for i in inputs):
+            only.add(node)
+    return only
+
+
+def consumer_closure(node: fx.Node, param_only: set[fx.Node]) -> list[fx.Node]:
+    """The parameter-only nodes `node` reads, transitively, in graph order."""
+    seen, stack = set(), [i for i in node.all_input_nodes if i in param_only]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(i for i in n.all_input_nodes if i in param_only)
+    return [n for n in node.graph.nodes if n in seen]
+
+
+def plan_sharding(gm: fx.GraphModule, world_size: int, params: dict[str, torch.Tensor],
+                  aliases: dict[str, list[str]]) -> Plan:
+    """Choose a layout for every parameter and a unit for every weight-bearing node.
+
+    `params`: the model's parameters by canonical name; `aliases`: every name of each.
+    """
+    reads = parameter_reads(gm)
+    param_only = parameter_only_nodes(gm, reads)
+    module_params = _leaf_module_params(gm)
+    shapes = {name: tuple(p.shape) for name, p in params.items()}
+    order = list(shapes)
+
+    consumers: dict[fx.Node, list[str]] = {}
+    calls: dict[fx.Node, OpCall] = {}
+    for node in gm.graph.nodes:
+        if node in param_only:
+            continue
+        closure = consumer_closure(node, param_only)
+        names = {reads[n] for n in closure if n in reads} | set(module_params.get(node.target, []))
+        if not names:
+            continue
+        if node.op == "output":
+            raise ValueError(
+                f"rtp_compile: the model returns parameter(s) {sorted(names)} (or values computed "
+                "from parameters alone) directly; return them from a module call instead.")
+        consumers[node] = sorted(names, key=order.index)
+        call = match_op(node, gm, reads) if node.op == "call_function" else None
+        if call is not None and set(call.params.values()) == set(names) and \
+                all(n in reads or n.args[0] in reads for n in closure):
+            calls[node] = call
+
+    dims = _choose_dims(calls, shapes)
+    layouts = {name: ParamLayout(name, shapes[name], p.dtype, world_size, dims.get(name),
+                                 tuple(aliases.get(name, [name])))
+               for name, p in params.items()}
+    plan = Plan(world_size, layouts)
+    taken: set[str] = set()
+    for node, names in consumers.items():
+        call = calls.get(node)
+        mode = _mode_for(call, dims, shapes) if call else None
+        if mode is not None:
+            base = call.params.get("weight") or next(iter(call.params.values()))
+            plan.units.append(Unit(_unit_name(base.rpartition(".")[0] or base, taken), node.name,
+                                   "rotate", dict(call.params), call, mode,
+                                   target=_target_name(node)))
+            continue
+        if call is not None:
+            reason = "its shard dims conflict with the layout its tied parameter needs elsewhere"
+        elif match_op(node, gm, reads) is not None:
+            reason = "it reads parameters through ops the rule cannot shard"
+        else:
+            reason = f"no shard rule for {_target_name(node)}"
+        plan.units.append(Unit(_unit_name(f"{node.name}_gather", taken), node.name, "gather",
+                               {f"param{i}": p for i, p in enumerate(names)}, None, None, reason,
+                               _target_name(node)))
+    return plan
+
+
+def _leaf_module_params(gm: fx.GraphModule) -> dict[str, list[str]]:
+    """call_module targets that own parameters (leaf modules not lowered) -> their parameters."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            names = [f"{node.target}.{n}" for n, _ in gm.get_submodule(node.target).named_parameters()]
+            if names:
+                out[node.target] = names
+    return out
+
+
+def _choose_dims(calls: dict[fx.Node, OpCall], shapes) -> dict[str, int]:
+    """One shard dim per parameter that every rotatable use supports, in the first use's order."""
+    options: dict[str, list[int]] = {}
+    for call in calls.values():
+        modes = call.rule.modes({r: shapes[p] for r, p in call.params.items()}, call.options)
+        for role, name in call.params.items():
+            supported = [dims[role] for dims in modes.values()]
+            if name not in options:
+                options[name] = list(dict.fromkeys(supported))
+            else:
+                narrowed = [d for d in options[name] if d in supported]
+                options[name] = narrowed or options[name]  # conflict: first use wins, others gather
+    return {name: dims[0] for name, dims in options.items() if dims}
+
+
+def _mode_for(call: OpCall, dims: dict[str, int], shapes) -> str | None:
+    modes = call.rule.modes({r: shapes[p] for r, p in call.params.items()}, call.options)
+    for mode, mode_dims in modes.items():
+        if all(dims.get(name) == mode_dims[role] for role, name in call.params.items()):
+            return mode
+    return None

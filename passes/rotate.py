@@ -1,0 +1,100 @@
+"""Weight-bearing nodes -> rank-generic unit nodes.
+
+Every rotated node becomes `rotation_unit(name, x, *params)`; every gathered node becomes
+`gathered_op(name, *inputs, *params)`, and the gathered op (with the parameter-only ops that feed
+it, such as `w.t()`) moves into a small body GraphModule run on the gathered tensors. The result
+is the program every rank shares: step k of a unit holds shard (rank - k) mod N, and codegen
+unrolls the steps for one rank.
+
+Invariant: after this pass no node other than a unit reads a parameter, so no emitted op can
+see a shard where it expects the full tensor.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.fx as fx
+
+from rtp_compile.passes.plan import Plan, consumer_closure, parameter_only_nodes
+from rtp_compile.passes.match import parameter_reads
+
+
+def rotation_unit(name: str, x, *params):
+    """Marker of a rotated op in the rank-generic graph; codegen unrolls it for a rank."""
+    raise RuntimeError(f"rotation unit {name!r} belongs to the rank-generic program: run the "
+                       "module of a rank, prog.module(rank), not prog.graph")
+
+
+def gathered_op(name: str, *inputs):
+    """Marker of a gathered op in the rank-generic graph; codegen calls its GatherUnit."""
+    raise RuntimeError(f"gathered op {name!r} belongs to the rank-generic program: run the "
+                       "module of a rank, prog.module(rank), not prog.graph")
+
+
+def _meta_copy(value):
+    if isinstance(value, torch.nn.Parameter):
+        return torch.nn.Parameter(torch.empty_like(value, device="meta"), value.requires_grad)
+    if isinstance(value, torch.nn.Module):
+        module = copy.deepcopy(value)
+        for sub in module.modules():
+            for name, p in list(sub.named_parameters(recurse=False)):
+                setattr(sub, name, _meta_copy(p))
+        return module
+    return value
+
+
+def gather_body(gm: fx.GraphModule, node: fx.Node, closure: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """The gathered op and its parameter-only inputs as a GraphModule over its other inputs.
+
+    Its parameters are meta tensors: the GatherUnit passes the gathered ones to functional_call.
+    """
+    inside = set(closure)
+    inputs = [i for i in node.all_input_nodes if i not in inside]
+    graph, env = fx.Graph(), {}
+    for i in inputs:
+        env[i] = graph.placeholder(i.name)
+    for n in closure + [node]:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(env[node])
+    root = {}
+    for n in graph.nodes:
+        if n.op in ("get_attr", "call_module"):
+            root[n.target] = _meta_copy(_attr(gm, n.target))
+    return fx.GraphModule(root, graph, class_name=f"Gathered_{node.name}"), inputs
+
+
+def _attr(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def rotate(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, dict[str, fx.GraphModule]]:
+    """Replace every planned node by its unit marker; returns the graph and the gather bodies."""
+    reads = parameter_reads(gm)
+    param_only = parameter_only_nodes(gm, reads)
+    by_node = plan.unit_for_node()
+    bodies: dict[str, fx.GraphModule] = {}
+    graph = gm.graph
+    for node in list(graph.nodes):
+        unit = by_node.get(node.name)
+        if unit is None:
+            continue
+        with graph.inserting_before(node):
+            param_reads = [graph.get_attr(p) for p in unit.params.values()]
+            if unit.kind == "rotate":
+                marker = graph.call_function(rotation_unit, (unit.name, unit.call.input,
+                                                             *param_reads))
+            else:
+                body, inputs = gather_body(gm, node, consumer_closure(node, param_only))
+                bodies[unit.name] = body
+                marker = graph.call_function(gathered_op, (unit.name, *inputs, *param_reads))
+        marker.meta.update(node.meta)
+        node.replace_all_uses_with(marker)
+        graph.erase_node(node)
+    # only the parameter reads and parameter-only ops the units took over may go
+    graph.eliminate_dead_code(is_impure_node=lambda n: n not in param_only)
+    gm.recompile()
+    return gm, bodies

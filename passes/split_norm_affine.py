@@ -1,0 +1,69 @@
+"""Norms with affine parameters -> the same norm without them, then `affine(x, weight, bias, dim)`.
+
+The statistics of a norm need the whole normalised extent, but its weight and bias act
+elementwise; split off, they can be rotated in shards like any elementwise parameter.
+
+Invariant: the graph computes the same values (up to floating-point rounding of one fused
+multiply-add); norms whose weight and bias are not parameters are left as they were.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from rtp_compile.op_rules import affine
+from rtp_compile.passes.lower_modules import batch_norm_module
+
+aten = torch.ops.aten
+
+# norm op -> (weight arg name, bias arg name or None, `affine` dim: -1 right-aligned, 1 channel)
+NORMS = {
+    F.layer_norm: ("weight", "bias", -1),
+    aten.layer_norm.default: ("weight", "bias", -1),
+    F.rms_norm: ("weight", None, -1),
+    aten.rms_norm.default: ("weight", None, -1),
+    F.group_norm: ("weight", "bias", 1),
+    aten.group_norm.default: ("weight", "bias", 1),
+    F.batch_norm: ("weight", "bias", 1),
+    aten.batch_norm.default: ("weight", "bias", 1),
+    batch_norm_module: ("weight", "bias", 1),
+}
+
+
+def _is_param(gm: fx.GraphModule, value) -> bool:
+    return (isinstance(value, fx.Node) and value.op == "get_attr"
+            and isinstance(_attr(gm, value.target), torch.nn.Parameter))
+
+
+def _attr(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def split_norm_affine(gm: fx.GraphModule) -> fx.GraphModule:
+    """Move the weight and bias of every norm with parameters into an `affine` node after it."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in NORMS:
+            continue
+        weight_arg, bias_arg, dim = NORMS[node.target]
+        bound = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+        if bound is None:
+            continue
+        kwargs = dict(bound.kwargs)
+        weight = kwargs.get(weight_arg)
+        bias = kwargs.get(bias_arg) if bias_arg else None
+        if not any(_is_param(gm, v) for v in (weight, bias)):
+            continue
+        kwargs[weight_arg] = None
+        if bias_arg:
+            kwargs[bias_arg] = None
+        node.args, node.kwargs = (), kwargs
+        with gm.graph.inserting_after(node):
+            scaled = gm.graph.call_function(affine, (node, weight, bias, dim))
+        scaled.meta.update(node.meta)
+        node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    gm.recompile()
+    return gm

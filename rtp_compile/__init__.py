@@ -1,0 +1,38 @@
+"""rtp_compile: compile a PyTorch model into per-rank programs that train with Rotated Tensor
+Parallelism. The public surface is `transform`, `launch` and `RTPProgram` (see docs/API)."""
+from __future__ import annotations
+
+from torch import nn
+
+from rtp_compile.capture import CaptureError, capture
+from rtp_compile.program import RTPProgram
+from rtp_compile.runtime.launch import RankError, launch
+from rtp_compile.passes.lower_modules import lower_modules
+from rtp_compile.passes.plan import plan_sharding
+from rtp_compile.passes.rotate import rotate
+from rtp_compile.passes.split_norm_affine import split_norm_affine
+
+__all__ = ["transform", "launch", "RTPProgram", "CaptureError", "RankError"]
+
+
+def transform(model: nn.Module, world_size: int, example_inputs=None, *, example_kwargs=None,
+              grad_reduction: str = "mean") -> RTPProgram:
+    """Compile `model` for `world_size` ranks; needs no process group.
+
+    Without example inputs the model is traced with torch.fx; with them, torch.export is used.
+    `grad_reduction`: "mean" (like DDP) or "sum" over the ranks' batches.
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"rtp_compile.transform: world_size must be a positive int, "
+                         f"got {world_size!r}")
+    if grad_reduction not in ("mean", "sum"):
+        raise ValueError(f"rtp_compile.transform: grad_reduction must be 'mean' or 'sum', "
+                         f"got {grad_reduction!r}")
+    captured = capture(model, example_inputs, example_kwargs)
+    gm = captured.gm
+    if captured.level == "function":
+        lower_modules(gm)
+    split_norm_affine(gm)
+    plan = plan_sharding(gm, world_size, captured.params, captured.aliases)
+    gm, bodies = rotate(gm, plan)
+    return RTPProgram(captured, gm, plan, bodies, grad_reduction)

@@ -1,0 +1,184 @@
+"""Plan + rank-generic graph -> the GraphModule of one rank, holding only that rank's shards.
+
+Each `rotation_unit` marker is unrolled into the rank's N steps, in the order of
+`passes.schedule.forward_schedule`: ring hop started, step computed with the shard in hand,
+hop waited on, next step. Step computations are the rule's `forward_step` traced into the
+graph with this rank's offsets as constants, so `print(gm.code)` reads as the schedule.
+Every emitted node of a unit carries `node.meta["rtp"] = {"unit", "step", "action"}`.
+"""
+from __future__ import annotations
+
+import copy
+import operator
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from rtp_compile.runtime import ring  # noqa: F401  (registers torch.ops.rtp.*)
+from rtp_compile.runtime.ring import expect_rank
+from rtp_compile.runtime.units import GatherUnit, RotationUnit
+from rtp_compile.passes.plan import Plan, Unit
+from rtp_compile.passes.rotate import gathered_op, rotation_unit
+from rtp_compile.passes.schedule import forward_schedule, forward_shard
+
+_TAGS_PER_UNIT = 4  # forward hop, backward weight hop, gradient hop, spare
+
+
+class _TaggingTracer(fx.proxy.GraphAppendingTracer):
+    """Appends to the rank graph and stamps every node it creates with the current unit step."""
+
+    def __init__(self, graph):
+        super().__init__(graph)
+        self.tag = None
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        if self.tag is not None:
+            node.meta["rtp"] = dict(self.tag)
+        return node
+
+
+def _attr(module, target):
+    obj = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class RankEmitter:
+    """Builds the GraphModule of one rank from the shared program."""
+
+    def __init__(self, program_gm: fx.GraphModule, plan: Plan, bodies, params, rank: int,
+                 group_name: str, grad_scale: float, device=None):
+        self.src, self.plan, self.bodies, self.params = program_gm, plan, bodies, params
+        self.rank, self.n, self.group_name = rank, plan.world_size, group_name
+        self.grad_scale, self.device = grad_scale, device
+        self.units = {u.name: u for u in plan.units}
+        self.tags = {u.name: i * _TAGS_PER_UNIT for i, u in enumerate(plan.units)}
+        self.graph = fx.Graph()
+        self.graph._codegen = copy.deepcopy(program_gm.graph._codegen)
+        self.tracer = _TaggingTracer(self.graph)
+        self.root: dict = {}
+
+    # -- graph -------------------------------------------------------------------------------
+    def emit(self) -> fx.GraphModule:
+        env: dict[fx.Node, fx.Node] = {}
+        checked = False
+        for node in self.src.graph.nodes:
+            if node.op != "placeholder" and not checked:
+                self.graph.call_function(expect_rank, (self.n, self.rank, self.group_name))
+                checked = True
+            if node.op == "call_function" and node.target is rotation_unit:
+                env[node] = self._rotation(node, env)
+            elif node.op == "call_function" and node.target is gathered_op:
+                env[node] = self._gathered(node, env)
+            else:
+                env[node] = self.graph.node_copy(node, lambda a: env[a])
+                self._own_attr(env[node])
+        for name, buffer in self.src.named_buffers():  # unread buffers still belong to the state
+            self.root.setdefault(name, buffer.detach().clone().to(self.device or buffer.device))
+        gm = fx.GraphModule(self.root, self.graph, class_name=f"RTPRank{self.rank}")
+        for spec in ("_in_spec", "_out_spec"):
+            if hasattr(self.src, spec):
+                setattr(gm, spec, getattr(self.src, spec))
+        gm.graph.lint()
+        return gm
+
+    def _own_attr(self, node: fx.Node) -> None:
+        """Put what a copied get_attr/call_module refers to into this rank's root."""
+        if node.op == "get_attr" and node.target not in self.root:
+            if node.target in self.plan.params:
+                self.root[node.target] = self._shard(node.target)
+            else:
+                value = _attr(self.src, node.target)
+                self.root[node.target] = value.detach().clone().to(self.device or value.device) \
+                    if isinstance(value, torch.Tensor) else value
+        elif node.op == "call_module" and node.target not in self.root:
+            self.root[node.target] = copy.deepcopy(self.src.get_submodule(node.target))
+
+    def _shard(self, name: str) -> nn.Parameter:
+        layout, full = self.plan.params[name], self.params[name]
+        shard = layout.shard(full.detach(), self.rank)
+        if self.device is not None:
+            shard = shard.to(self.device)
+        return nn.Parameter(shard, requires_grad=full.requires_grad)
+
+    def _read_params(self, unit: Unit, env, args) -> list[fx.Node]:
+        nodes = [env[a] for a in args]
+        for n in nodes:
+            self._own_attr(n)
+        return nodes
+
+    # -- units -------------------------------------------------------------------------------
+    def _rotation(self, node: fx.Node, env) -> fx.Node:
+        name, x, *param_args = node.args
+        unit = self.units[name]
+        x_node = env[x] if isinstance(x, fx.Node) else x
+        params = self._read_params(unit, env, param_args)
+        layouts = [self.plan.params[p] for p in unit.params.values()]
+        roles = list(unit.params)
+        shapes = {r: lay.shape for r, lay in zip(roles, layouts)}
+        g, tag = self.graph, self.tags[name]
+
+        self.tracer.tag = {"unit": name, "step": 0, "action": "detach"}
+        x_d = self.tracer.create_node("call_method", "detach", (x_node,), {}) \
+            if isinstance(x_node, fx.Node) else x_node
+        own = [self.tracer.create_node("call_method", "detach", (p,), {}) for p in params]
+        held, received, outputs = own, None, {}
+        for event in forward_schedule(self.n):
+            k = event.step
+            self.tracer.tag = {"unit": name, "step": k, "action": event.action}
+            if event.action == "start":
+                received = self.tracer.create_node(
+                    "call_function", torch.ops.rtp.ring_shift_start.default,
+                    (held, self.group_name, 1, tag, f"{name} step {k}"), {},
+                    name=f"{name}_recv{k}")
+            elif event.action == "wait":
+                self.tracer.create_node("call_function", torch.ops.rtp.ring_wait.default,
+                                        (received,), {}, name=f"{name}_wait{k}")
+                held = [self.tracer.create_node("call_function", operator.getitem,
+                                                (received, i), {}, name=f"{name}_{r}{k}")
+                        for i, r in enumerate(roles)]
+            else:
+                s = forward_shard(self.rank, k, self.n)
+                slots = {r: lay.slot(s) for r, lay in zip(roles, layouts)}
+                proxy = lambda n: fx.Proxy(n, self.tracer) if isinstance(n, fx.Node) else n
+                out = unit.call.rule.forward_step(
+                    unit.mode, unit.call.options, proxy(x_d),
+                    {r: proxy(h) for r, h in zip(roles, held)}, slots, shapes)
+                outputs[s] = out.node
+                out.node._rename(f"{name}_y{k}")
+        self.tracer.tag = {"unit": name, "step": self.n - 1, "action": "combine"}
+        combine = unit.call.rule.combine(unit.mode, unit.call.options, shapes)
+        parts = [outputs[s] for s in range(self.n)]
+        if combine.how == "cat":
+            y = self.tracer.create_node("call_function", torch.cat, (parts, combine.dim), {},
+                                        name=f"{name}_out")
+        else:
+            y = parts[0]
+            for part in parts[1:]:
+                y = self.tracer.create_node("call_function", operator.add, (y, part), {},
+                                            name=f"{name}_sum")
+        self.tracer.tag = None
+        self.root[f"rtp_units.{name}"] = RotationUnit(
+            name, unit.call, unit.mode, layouts, self.rank, self.n, self.group_name, tag,
+            self.grad_scale)
+        out = g.call_module(f"rtp_units.{name}", (y, x_node, *params))
+        out.meta.update(node.meta)
+        return out
+
+    def _gathered(self, node: fx.Node, env) -> fx.Node:
+        name, *rest = node.args
+        unit = self.units[name]
+        n_params = len(unit.params)
+        inputs = [env[a] if isinstance(a, fx.Node) else a for a in rest[:len(rest) - n_params]]
+        params = self._read_params(unit, env, rest[len(rest) - n_params:])
+        layouts = [self.plan.params[p] for p in unit.params.values()]
+        self.root[f"rtp_units.{name}"] = GatherUnit(
+            name, self.bodies[name], list(unit.params.values()), layouts, self.rank, self.n,
+            self.group_name, self.tags[name], self.grad_scale, unit.reason)
+        out = self.graph.call_module(f"rtp_units.{name}", (*inputs, *params))
+        out.meta.update(node.meta)
+        out.meta["rtp"] = {"unit": name, "step": None, "action": "gather"}
+        return out

@@ -1,0 +1,282 @@
+"""What each weight-bearing op computes with one shard of its parameters.
+
+One rule per kind of computation (linear, conv, embedding, elementwise), whatever the capture level
+that produced the node (adapters in `passes/match.py` translate nodes into `OpCall`s). A rule says
+which shard dims it supports (its *modes*), how step outputs combine (concatenate the partial
+outputs, or sum them), and gives two functions written in plain torch ops:
+
+- `forward_step`: the partial output of one step; codegen traces it into the emitted graph, so the
+  per-rank code shows the real ops with the rank's offsets as constants;
+- `backward_step`: run eagerly by the rotation unit's backward: the shard's gradient from this
+  rank's batch, and the step's part of the input gradient, accumulated into `dx`.
+
+`Slot(offset, valid)` locates a shard inside the full parameter along its shard dim: the shard
+tensor is always padded to the same length, and only its first `valid` entries are real.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where shard s sits in the full parameter along the shard dim (`length`: padded size)."""
+    offset: int
+    valid: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Combine:
+    """How step outputs form the op's output: concatenated along `dim`, or summed."""
+    how: str  # "cat" | "sum"
+    dim: int = -1
+
+
+@dataclass
+class OpCall:
+    """A weight-bearing node seen through its rule: the activation, the parameters by role."""
+    rule: "Rule"
+    input: Any                       # the activation node (or value) the op consumes
+    params: dict[str, str]           # role ("weight", "bias") -> parameter name
+    options: dict = field(default_factory=dict)
+
+
+class Rule:
+    """Base of the op rules: subclasses fill in modes, combine and the two step functions."""
+    name = "rule"
+
+    def modes(self, shapes: dict[str, tuple], options: dict) -> dict[str, dict[str, int]]:
+        """Mode name -> shard dim of each parameter role, in order of preference."""
+        raise NotImplementedError
+
+    def combine(self, mode: str, options: dict, shapes: dict[str, tuple]) -> Combine:
+        raise NotImplementedError
+
+    def forward_step(self, mode, options, x, shards, slots, shapes):
+        raise NotImplementedError
+
+    def backward_step(self, mode, options, dy, x, shards, slots, shapes, dx):
+        raise NotImplementedError
+
+
+def _part(t: torch.Tensor, dim: int, slot: Slot) -> torch.Tensor:
+    """The real (unpadded) entries of a padded shard."""
+    return t if slot.valid == slot.length else t.narrow(dim, 0, slot.valid)
+
+
+def _flat2d(t: torch.Tensor) -> torch.Tensor:
+    """[..., d] -> [rows, d] (also for d = 0, an all-padding shard)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+class LinearRule(Rule):
+    """y = x Wᵀ + b (W stored [out, in]) or y = x W + b (`transposed`: W stored [in, out])."""
+    name = "linear"
+
+    def modes(self, shapes, options):
+        out_dim, in_dim = (1, 0) if options.get("transposed") else (0, 1)
+        return {"col": {"weight": out_dim, "bias": 0}, "row": {"weight": in_dim, "bias": 0}}
+
+    def combine(self, mode, options, shapes):
+        return Combine("cat", -1) if mode == "col" else Combine("sum")
+
+    @staticmethod
+    def _weight(options, shard, dim, slot):
+        w = _part(shard, dim, slot)
+        return w.t() if options.get("transposed") else w  # always [out, in] from here on
+
+    def forward_step(self, mode, options, x, shards, slots, shapes):
+        wdim = self.modes(shapes, options)[mode]["weight"]
+        w = self._weight(options, shards["weight"], wdim, slots["weight"])
+        if mode == "col":
+            b = _part(shards["bias"], 0, slots["bias"]) if "bias" in shards else None
+            return F.linear(x, w, b)
+        y = F.linear(x.narrow(-1, slots["weight"].offset, slots["weight"].valid), w)
+        if "bias" in shards:
+            y = y + _bias_in_slot(shards["bias"], slots["bias"], shapes["bias"][0])
+        return y
+
+    def backward_step(self, mode, options, dy, x, shards, slots, shapes, dx):
+        wdim = self.modes(shapes, options)[mode]["weight"]
+        ws = slots["weight"]
+        w = self._weight(options, shards["weight"], wdim, ws)
+        grads = {}
+        if mode == "col":
+            dy_s = dy.narrow(-1, ws.offset, ws.valid)
+            gw = _flat2d(dy_s).t() @ _flat2d(x)
+            if dx is not None:
+                dx += dy_s @ w
+            if "bias" in shards:
+                grads["bias"] = _flat2d(dy_s).sum(0)
+        else:
+            x_s = x.narrow(-1, ws.offset, ws.valid)
+            gw = _flat2d(dy).t() @ _flat2d(x_s)
+            if dx is not None:
+                dx.narrow(-1, ws.offset, ws.valid).add_(dy @ w)
+            if "bias" in shards:
+                bs = slots["bias"]
+                grads["bias"] = _flat2d(dy).narrow(1, bs.offset, bs.valid).sum(0)
+        grads["weight"] = gw.t() if options.get("transposed") else gw
+        return grads
+
+
+def _bias_in_slot(bias_shard, slot: Slot, total: int):
+    """A bias shard zero-padded to the full output width, so a summed step adds it once."""
+    return F.pad(_part(bias_shard, 0, slot), (slot.offset, total - slot.offset - slot.valid))
+
+
+class ConvRule(Rule):
+    """torch.convolution with groups=1: out-channel split (concat) or in-channel split (sum)."""
+    name = "conv"
+
+    def modes(self, shapes, options):
+        out_dim, in_dim = (1, 0) if options["transposed"] else (0, 1)
+        return {"col": {"weight": out_dim, "bias": 0}, "row": {"weight": in_dim, "bias": 0}}
+
+    def combine(self, mode, options, shapes):
+        return Combine("cat", 1) if mode == "col" else Combine("sum")
+
+    @staticmethod
+    def _args(o):
+        return (o["stride"], o["padding"], o["dilation"], o["transposed"], o["output_padding"], 1)
+
+    def forward_step(self, mode, options, x, shards, slots, shapes):
+        wdim = self.modes(shapes, options)[mode]["weight"]
+        w = _part(shards["weight"], wdim, slots["weight"])
+        if mode == "col":
+            b = _part(shards["bias"], 0, slots["bias"]) if "bias" in shards else None
+            return torch.convolution(x, w, b, *self._args(options))
+        ws = slots["weight"]
+        y = torch.convolution(x.narrow(1, ws.offset, ws.valid), w, None, *self._args(options))
+        if "bias" in shards:
+            bias = _bias_in_slot(shards["bias"], slots["bias"], shapes["bias"][0])
+            y = y + bias.view([-1] + [1] * len(options["stride"]))
+        return y
+
+    def backward_step(self, mode, options, dy, x, shards, slots, shapes, dx):
+        wdim = self.modes(shapes, options)[mode]["weight"]
+        ws = slots["weight"]
+        w = _part(shards["weight"], wdim, ws)
+        spatial = [d for d in range(dy.dim()) if d != 1]
+        grads = {}
+        if mode == "col":
+            dy_s = dy.narrow(1, ws.offset, ws.valid)
+            gx, gw, _ = torch.ops.aten.convolution_backward(
+                dy_s, x, w, None, *self._args(options), [dx is not None, True, False])
+            if dx is not None:
+                dx += gx
+            if "bias" in shards:
+                grads["bias"] = dy_s.sum(spatial)
+        else:
+            x_s = x.narrow(1, ws.offset, ws.valid)
+            gx, gw, _ = torch.ops.aten.convolution_backward(
+                dy, x_s, w, None, *self._args(options), [dx is not None, True, False])
+            if dx is not None:
+                dx.narrow(1, ws.offset, ws.valid).add_(gx)
+            if "bias" in shards:
+                bs = slots["bias"]
+                grads["bias"] = dy.narrow(1, bs.offset, bs.valid).sum(spatial)
+        grads["weight"] = gw
+        return grads
+
+
+class EmbeddingRule(Rule):
+    """e = W[idx], split along the embedding dim (dim 1 of W)."""
+    name = "embedding"
+
+    def modes(self, shapes, options):
+        return {"col": {"weight": 1}}
+
+    def combine(self, mode, options, shapes):
+        return Combine("cat", -1)
+
+    def forward_step(self, mode, options, x, shards, slots, shapes):
+        return F.embedding(x, _part(shards["weight"], 1, slots["weight"]))
+
+    def backward_step(self, mode, options, dy, x, shards, slots, shapes, dx):
+        ws = slots["weight"]
+        padding_idx = options.get("padding_idx")
+        gw = torch.ops.aten.embedding_dense_backward(
+            dy.narrow(-1, ws.offset, ws.valid), x, shapes["weight"][0],
+            -1 if padding_idx is None else padding_idx, options.get("scale_grad_by_freq", False))
+        return {"weight": gw}
+
+
+def affine(x: torch.Tensor, weight, bias, dim: int) -> torch.Tensor:
+    """x * weight + bias, the parameters laid along `dim` of x.
+
+    A negative `dim` means the parameters broadcast against x from the right (LayerNorm, RMSNorm,
+    layer scale); a non-negative `dim` means 1-D per-channel parameters at that dim (BatchNorm,
+    GroupNorm). The norm passes split a norm's affine part into this op so it can be sharded.
+    """
+    if dim >= 0:
+        return affine(x.transpose(dim, -1), weight, bias, -1).transpose(dim, -1)
+    y = x if weight is None else x * weight
+    return y if bias is None else y + bias
+
+
+class ElementwiseRule(Rule):
+    """y = x * weight + bias (either may be absent), split along one dim of the parameters.
+
+    options["dim"]: as in `affine`. Every parameter role shares the same shape.
+    """
+    name = "elementwise"
+
+    def _x_dim(self, options, shape, pdim):
+        return options["dim"] if options["dim"] >= 0 else pdim - len(shape)
+
+    def modes(self, shapes, options):
+        shape = next(iter(shapes.values()))
+        if options["dim"] >= 0:
+            return {"dim0": {role: 0 for role in shapes}}
+        dims = [d for d in reversed(range(len(shape))) if shape[d] > 1] or [len(shape) - 1]
+        return {f"dim{d}": {role: d for role in shapes} for d in dims}
+
+    def combine(self, mode, options, shapes):
+        return Combine("cat", self._mode_dims(mode, options, shapes)[1])
+
+    def _mode_dims(self, mode, options, shapes):
+        shape = next(iter(shapes.values()))
+        pdim = int(mode[3:])
+        return pdim, self._x_dim(options, shape, pdim)
+
+    def forward_step(self, mode, options, x, shards, slots, shapes):
+        pdim, xdim = self._mode_dims(mode, options, shapes)
+        slot = next(iter(slots.values()))
+        x_s = x.narrow(xdim, slot.offset, slot.valid)
+        weight = _part(shards["weight"], pdim, slot) if "weight" in shards else None
+        bias = _part(shards["bias"], pdim, slot) if "bias" in shards else None
+        return affine(x_s, weight, bias, options["dim"])
+
+    def backward_step(self, mode, options, dy, x, shards, slots, shapes, dx):
+        pdim, xdim = self._mode_dims(mode, options, shapes)
+        slot = next(iter(slots.values()))
+        x_s = x.narrow(xdim, slot.offset, slot.valid)
+        dy_s = dy.narrow(xdim, slot.offset, slot.valid)
+        channel = options["dim"] >= 0
+        weight = _part(shards["weight"], pdim, slot) if "weight" in shards else None
+        grads = {}
+
+        def reduce_to_param(t, param_part):
+            if channel:
+                return t.sum([d for d in range(t.dim()) if d != options["dim"]])
+            return t.sum_to_size(param_part.shape)
+
+        if weight is not None:
+            grads["weight"] = reduce_to_param(dy_s * x_s, weight)
+        if "bias" in shards:
+            grads["bias"] = reduce_to_param(dy_s, _part(shards["bias"], pdim, slot))
+        if dx is not None:
+            dx_s = dy_s if weight is None else affine(dy_s, weight, None, options["dim"])
+            dx.narrow(xdim, slot.offset, slot.valid).add_(dx_s.sum_to_size(x_s.shape))
+        return grads
+
+
+RULES: dict[str, Rule] = {r.name: r for r in (LinearRule(), ConvRule(), EmbeddingRule(),
+                                              ElementwiseRule())}

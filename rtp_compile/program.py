@@ -1,0 +1,113 @@
+"""RTPProgram: the plan, the rank-generic program, and what each rank needs from them."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from rtp_compile.capture import Captured
+from rtp_compile.codegen import RankEmitter
+from rtp_compile.runtime.ring import resolve_group
+from rtp_compile.passes.plan import Plan
+
+
+class RTPProgram:
+    """One model compiled for `world_size` ranks: `module(rank)` emits a rank's GraphModule."""
+
+    def __init__(self, captured: Captured, graph_module: fx.GraphModule, plan: Plan, bodies,
+                 grad_reduction: str):
+        self.plan = plan
+        self.world_size = plan.world_size
+        self.graph_module = graph_module      # rank-generic: units are markers
+        self.grad_reduction = grad_reduction
+        self._captured = captured
+        self._bodies = bodies
+        self._buffer_names = [n for n in captured.state_keys if n not in captured.param_aliases]
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    def module(self, rank: int, group: dist.ProcessGroup | None = None, device=None
+               ) -> fx.GraphModule:
+        """The GraphModule of `rank` (rank within `group`, default the whole job).
+
+        Its parameters are this rank's shards only, under the model's parameter names.
+        """
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rtp_compile: rank must be an int in [0, {self.world_size}), "
+                             f"got {rank!r}")
+        group_name = "" if group is None or group == dist.group.WORLD else group.group_name
+        scale = 1.0 / self.world_size if self.grad_reduction == "mean" else 1.0
+        emitter = RankEmitter(self.graph_module, self.plan, self._bodies, self._captured.params,
+                              rank, group_name, scale, device)
+        gm = emitter.emit()
+        gm.rtp_rank, gm.rtp_group = rank, group
+        return gm
+
+    def report(self) -> str:
+        """Every weight-bearing op: rotated (rule, mode, dims) or gathered (why), bytes per rank."""
+        lines = [f"rtp_compile program for {self.world_size} ranks"]
+        for u in self.plan.units:
+            layouts = [self.plan.params[p] for p in u.params.values()]
+            held = sum(lay.shard_bytes for lay in layouts)
+            if u.kind == "rotate":
+                dims = ", ".join(f"{p} dim {self.plan.params[p].dim}" for p in u.params.values())
+                lines.append(f"  rotated  {u.name}: {u.call.rule.name} {u.mode} [{u.target}] "
+                             f"({dims}); {held:,} B/rank")
+            else:
+                lines.append(f"  gathered {u.name}: {u.target} ({', '.join(u.params.values())}) "
+                             f"because {u.reason}; {held:,} B/rank")
+        unused = [n for n in self.plan.params if self.plan.strategy(n) == "unused"]
+        if unused:
+            lines.append(f"  unused parameters (sharded, never read): {', '.join(unused)}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"{self.report()}\n\n{self.plan}"
+
+    # -- full state ----------------------------------------------------------------------
+    def _group_of(self, gm):
+        return getattr(gm, "rtp_group", None)
+
+    def full_state_dict(self, gm: nn.Module) -> dict[str, torch.Tensor]:
+        """Collective: the model's state_dict (every name, full shapes, padding removed)."""
+        group = self._group_of(gm)
+        shards = {name: gm.get_parameter(name).detach() for name in self.plan.params}
+        full = {}
+        for name, layout in self.plan.params.items():
+            gathered = self._all_gather(shards[name], group)
+            tensor = layout.unshard(gathered)
+            for alias in layout.aliases:
+                full[alias] = tensor
+        for name in self._buffer_names:
+            full[name] = gm.get_buffer(name).detach().clone()
+        return {k: full[k] for k in self._captured.state_keys if k in full}
+
+    def _all_gather(self, shard: torch.Tensor, group) -> list[torch.Tensor]:
+        if self.world_size == 1:
+            return [shard.clone()]
+        resolve_group("" if group is None else group.group_name)
+        out = [torch.empty_like(shard) for _ in range(self.world_size)]
+        dist.all_gather(out, shard.contiguous(), group=group)
+        return out
+
+    def load_full_state_dict(self, gm: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        """Take a full state_dict (as from full_state_dict or the unsharded model) into the shards."""
+        rank = gm.rtp_rank
+        missing = [k for k in self._captured.state_keys if k not in state_dict]
+        if missing:
+            raise KeyError(f"rtp_compile: load_full_state_dict is missing {missing[:5]}"
+                           f"{' ...' if len(missing) > 5 else ''}")
+        with torch.no_grad():
+            for name, layout in self.plan.params.items():
+                value = state_dict[name]
+                if tuple(value.shape) != layout.shape:
+                    raise ValueError(f"rtp_compile: parameter {name} has shape "
+                                     f"{tuple(value.shape)} in the state_dict, the model has "
+                                     f"{layout.shape}")
+                param = gm.get_parameter(name)
+                param.copy_(layout.shard(value.to(param.device, param.dtype), rank))
+            for name in self._buffer_names:
+                gm.get_buffer(name).copy_(state_dict[name])

@@ -1,0 +1,1 @@
+"""What runs inside the emitted graphs: ring ops, the autograd of units, the local launcher."""

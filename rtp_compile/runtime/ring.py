@@ -1,0 +1,126 @@
+"""Ring communication for rotation units: shift a list of shards one hop around the ring.
+
+`ring_shift_start` sends the given tensors to rank (r + shift) and receives same-shaped tensors
+from rank (r - shift); `ring_wait` blocks until both directions finished. They are
+`torch.library` custom ops (with fake implementations) so emitted graphs stay traceable; the
+pending work lives in a registry keyed by the receive buffers, as functional collectives do.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass
+class _PendingShift:
+    works: list
+    sent: list  # keeps the sent tensors alive until the send completed
+    timeout: datetime.timedelta
+    where: str
+
+
+_pending: dict[int, _PendingShift] = {}
+
+
+def resolve_group(group_name: str):
+    """The process group named `group_name` ('' is the default group); a clear error without one."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "rtp_compile: this rank's module communicates but no torch.distributed process group "
+            "is initialised. Start the job with torchrun or rtp_compile.launch(), or call "
+            "torch.distributed.init_process_group() before running it."
+        )
+    if group_name == "":
+        return dist.group.WORLD
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def group_timeout(group) -> datetime.timedelta:
+    """The timeout the process group was created with (every wait here honours it)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # backends without options (or without a CPU backend) keep torch's default
+        try:
+            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+            return group._get_backend(device).options._timeout
+        except Exception:
+            return DEFAULT_TIMEOUT
+
+
+def shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: int,
+                where: str) -> list[torch.Tensor]:
+    """Start sending `tensors` to rank r+shift and receiving their successors from r-shift."""
+    group = resolve_group(group_name)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    dst = dist.get_global_rank(group, (rank + shift) % size)
+    src = dist.get_global_rank(group, (rank - shift) % size)
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    ops = []
+    for i, (out, inp) in enumerate(zip(tensors, received)):
+        ops.append(dist.P2POp(dist.isend, out.contiguous(), dst, group, tag * 8 + i))
+        ops.append(dist.P2POp(dist.irecv, inp, src, group, tag * 8 + i))
+    works = dist.batch_isend_irecv(ops)
+    _pending[received[0].untyped_storage().data_ptr()] = _PendingShift(
+        works, [op.tensor for op in ops[::2]], group_timeout(group), where)
+    return received
+
+
+def wait(received: list[torch.Tensor]) -> None:
+    """Block until the shift that produced `received` has finished, within the group timeout."""
+    pending = _pending.pop(received[0].untyped_storage().data_ptr(), None)
+    if pending is None:
+        raise RuntimeError("rtp_compile: ring_wait on buffers with no shift in flight")
+    timeout = pending.timeout
+    for work in pending.works:
+        try:
+            work.wait(timeout)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"rtp_compile: rank {dist.get_rank()} timed out or failed in the ring during "
+                f"{pending.where} (timeout {timeout}). A rank of the job probably failed, left, "
+                f"or runs a different program: {err}") from err
+
+
+@torch.library.custom_op("rtp::ring_shift_start", mutates_args=())
+def ring_shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: int,
+                     where: str) -> list[torch.Tensor]:
+    """Graph op: start one ring hop of `tensors`; returns the (not yet filled) receive buffers."""
+    return shift_start(tensors, group_name, shift, tag, where)
+
+
+@ring_shift_start.register_fake
+def _(tensors, group_name, shift, tag, where):
+    return [torch.empty_like(t) for t in tensors]
+
+
+@torch.library.custom_op("rtp::ring_wait", mutates_args=("received",))
+def ring_wait(received: list[torch.Tensor]) -> None:
+    """Graph op: wait for the hop that fills `received` (and for our own send to finish)."""
+    wait(received)
+
+
+@ring_wait.register_fake
+def _(received):
+    return None
+
+
+def expect_rank(world_size: int, rank: int, group_name: str) -> None:
+    """First op of every rank's module: the job must match the program before any communication."""
+    if world_size == 1 and not (dist.is_available() and dist.is_initialized()):
+        return  # a one-rank program needs no process group
+    group = resolve_group(group_name)
+    size, actual = dist.get_world_size(group), dist.get_rank(group)
+    if size != world_size:
+        raise RuntimeError(
+            f"rtp_compile: this module was compiled for world_size={world_size} but the process "
+            f"group has {size} ranks. Transform with world_size={size}, or run in a job of "
+            f"{world_size} processes.")
+    if actual != rank:
+        raise RuntimeError(
+            f"rtp_compile: this is the module of rank {rank}, but it runs on rank {actual} of the "
+            f"process group. Use prog.module(torch.distributed.get_rank()) on every rank.")

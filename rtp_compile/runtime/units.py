@@ -1,0 +1,219 @@
+"""The autograd of rotation units and gathered ops, as modules the emitted graphs call.
+
+A rotation unit's forward steps are emitted inline in the rank's graph and compute on detached
+tensors; `RotationUnit` links their result into autograd. Its backward re-fetches the weight
+shards by counter-clockwise rotation (never saved for backward: only the activation is), runs
+the rule's backward step for each, and lets a gradient accumulator travel with each shard so it
+arrives complete, averaged like DDP's, at the rank that owns it.
+
+`GatherUnit` is the fallback for ops without a rule: ring all-gather of the parameters, run the
+op once, free; backward gathers again, recomputes the op, and ring-reduce-scatters the gradient.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rtp_compile.runtime import ring
+from rtp_compile.passes.schedule import backward_schedule, backward_shard
+
+
+def _padded(grad: torch.Tensor, layout) -> torch.Tensor:
+    """A shard-shaped tensor holding `grad` (the real part of one shard) and zero padding."""
+    if tuple(grad.shape) == layout.shard_shape:
+        return grad.contiguous()
+    out = grad.new_zeros(layout.shard_shape)
+    out.narrow(layout.dim, 0, grad.shape[layout.dim]).copy_(grad)
+    return out
+
+
+class GradientRing:
+    """Ring reduce-scatter driven step by step: step j adds this rank's part for shard
+    (rank+1+j) mod N to what arrived from rank+1 and passes it on to rank-1."""
+
+    def __init__(self, world_size: int, group_name: str, tag: int, where: str):
+        self.world_size, self.group_name, self.tag, self.where = world_size, group_name, tag, where
+        self.acc: list[torch.Tensor] | None = None
+        self.incoming: list[torch.Tensor] | None = None
+
+    def accumulate(self, contribution: list[torch.Tensor]) -> None:
+        if self.incoming is None:
+            self.acc = contribution
+            return
+        ring.wait(self.incoming)
+        self.acc = [a.add_(c) for a, c in zip(self.incoming, contribution)]
+        self.incoming = None
+
+    def pass_on(self, step: int) -> None:
+        self.incoming = ring.shift_start(self.acc, self.group_name, -1, self.tag,
+                                         f"{self.where}: gradient hop {step}")
+        self.acc = None
+
+
+class _RotationGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, unit, y, x, *own):
+        ctx.unit = unit
+        ctx.save_for_backward(x, *own)  # the activation and this rank's own shards, nothing more
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, *own = ctx.saved_tensors
+        own = [p.detach() for p in own]
+        needs = ctx.needs_input_grad
+        dx, grads = ctx.unit.backward(dy, x, own, needs[2], any(needs[3:]))
+        grads = grads or [None] * len(own)
+        return (None, None, dx, *[g if need else None for g, need in zip(grads, needs[3:])])
+
+
+class RotationUnit(nn.Module):
+    """Runtime of one rotated op on one rank: static facts only, no tensors of its own."""
+
+    def __init__(self, name, call, mode, layouts, rank, world_size, group_name, tag, grad_scale):
+        super().__init__()
+        self.unit_name, self.rule, self.mode, self.options = name, call.rule, mode, call.options
+        self.roles = list(call.params)
+        self.layouts = layouts                      # one ParamLayout per role, same order
+        self.rank, self.world_size, self.group_name = rank, world_size, group_name
+        self.tag, self.grad_scale = tag, grad_scale
+        self.shapes = {r: lay.shape for r, lay in zip(self.roles, layouts)}
+
+    def extra_repr(self) -> str:
+        dims = ", ".join(f"{r}: dim {lay.dim}" for r, lay in zip(self.roles, self.layouts))
+        return f"{self.rule.name} {self.mode} ({dims}), rank {self.rank} of {self.world_size}"
+
+    def forward(self, y, x, *own):
+        """y: the combined step outputs (computed outside autograd); own: this rank's shards."""
+        if not torch.is_grad_enabled():
+            return y
+        return _RotationGrad.apply(self, y, x, *own)
+
+    def backward(self, dy, x, own, need_dx: bool, need_dw: bool):
+        """dx and this rank's (averaged) shard gradients, by the backward schedule."""
+        n, where = self.world_size, f"{self.unit_name} backward"
+        dx = torch.zeros_like(x) if need_dx else None
+        grads = GradientRing(n, self.group_name, self.tag + 2, where) if need_dw else None
+        held, incoming = own, None
+        for event in backward_schedule(n):
+            j = event.step
+            if event.action == "fetch_start":
+                source = own if j == 0 else held
+                incoming = ring.shift_start(source, self.group_name, -1, self.tag + 1,
+                                            f"{where}: weight hop {j}")
+            elif event.action == "fetch_wait":
+                ring.wait(incoming)
+                held = incoming
+            elif event.action == "grad":
+                shards = own if j == n - 1 else held  # the last step holds the rank's own shard
+                s = backward_shard(self.rank, j, n)
+                slots = {r: lay.slot(s) for r, lay in zip(self.roles, self.layouts)}
+                step_grads = self.rule.backward_step(
+                    self.mode, self.options, dy, x, dict(zip(self.roles, shards)), slots,
+                    self.shapes, dx)
+                contribution = [_padded(step_grads[r], lay)
+                                for r, lay in zip(self.roles, self.layouts)] if need_dw else None
+            elif event.action == "accumulate" and need_dw:
+                grads.accumulate(contribution)
+            elif event.action == "pass" and need_dw:
+                grads.pass_on(j)
+        if not need_dw:
+            return dx, None
+        return dx, [g.mul_(self.grad_scale) if self.grad_scale != 1 else g for g in grads.acc]
+
+
+def ring_all_gather(own: list[torch.Tensor], layouts, rank: int, world_size: int,
+                    group_name: str, tag: int, where: str) -> list[torch.Tensor]:
+    """Full parameters from every rank's shard, by N-1 clockwise hops."""
+    shards = {rank: own}
+    held = own
+    for k in range(1, world_size):
+        held = ring.shift_start(held, group_name, 1, tag, f"{where}: gather hop {k}")
+        ring.wait(held)
+        shards[(rank - k) % world_size] = held
+    return [lay.unshard([shards[s][i] for s in range(world_size)])
+            for i, lay in enumerate(layouts)]
+
+
+def _save(ctx, values) -> None:
+    """save_for_backward for a mix of tensors and other values (sizes read from the graph)."""
+    ctx.is_tensor = [isinstance(v, torch.Tensor) for v in values]
+    ctx.others = [v for v in values if not isinstance(v, torch.Tensor)]
+    ctx.save_for_backward(*[v for v in values if isinstance(v, torch.Tensor)])
+
+
+def _saved(ctx) -> list:
+    tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
+    return [next(tensors) if t else next(others) for t in ctx.is_tensor]
+
+
+class _GatherGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, unit, n_inputs, *values):
+        inputs, own = values[:n_inputs], values[n_inputs:]
+        ctx.unit, ctx.n_inputs = unit, n_inputs
+        _save(ctx, values)  # inputs and own shards; the gathered tensors are freed
+        outputs = unit.run(inputs, unit.gather(own))
+        return tuple(outputs) if isinstance(outputs, list) else outputs
+
+    @staticmethod
+    def backward(ctx, *douts):
+        unit, n_inputs = ctx.unit, ctx.n_inputs
+        saved = _saved(ctx)
+        inputs, own = saved[:n_inputs], saved[n_inputs:]
+        needs = ctx.needs_input_grad[2:]
+        full = [p.requires_grad_(True) for p in unit.gather([p.detach() for p in own])]
+        leaves = [v.detach().requires_grad_(need) if need else v
+                  for v, need in zip(inputs, needs[:n_inputs])]
+        with torch.enable_grad():
+            outputs = unit.run(leaves, full)
+        outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        pairs = [(o, d) for o, d in zip(outputs, douts)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and d is not None]
+        wanted = [v for v, need in zip(leaves, needs[:n_inputs]) if need] + full
+        grads = list(torch.autograd.grad([o for o, _ in pairs], wanted, [d for _, d in pairs],
+                                         allow_unused=True) if pairs else [None] * len(wanted))
+        input_grads = [grads.pop(0) if need else None for need in needs[:n_inputs]]
+        param_grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, full)]
+        shard_grads = unit.reduce_scatter(param_grads)
+        return (None, None, *input_grads,
+                *[g if need else None for g, need in zip(shard_grads, needs[n_inputs:])])
+
+
+class GatherUnit(nn.Module):
+    """Runtime of one gathered op: `body` is a small GraphModule (the op and the parameter-only
+    ops feeding it) whose parameters are placeholders filled with the gathered tensors."""
+
+    def __init__(self, name, body, param_names, layouts, rank, world_size, group_name, tag,
+                 grad_scale, reason):
+        super().__init__()
+        self.unit_name, self.body, self.param_names = name, body, list(param_names)
+        self.layouts, self.rank, self.world_size = layouts, rank, world_size
+        self.group_name, self.tag, self.grad_scale, self.reason = group_name, tag, grad_scale, reason
+
+    def extra_repr(self) -> str:
+        return f"gathered: {self.reason}; rank {self.rank} of {self.world_size}"
+
+    def gather(self, own):
+        return ring_all_gather(list(own), self.layouts, self.rank, self.world_size,
+                               self.group_name, self.tag, self.unit_name)
+
+    def run(self, inputs, full):
+        return torch.func.functional_call(self.body, dict(zip(self.param_names, full)),
+                                          tuple(inputs), strict=False)
+
+    def reduce_scatter(self, full_grads):
+        n = self.world_size
+        ring_ = GradientRing(n, self.group_name, self.tag + 2, f"{self.unit_name} backward")
+        for j in range(n):
+            s = backward_shard(self.rank, j, n)
+            ring_.accumulate([lay.shard(g, s) for g, lay in zip(full_grads, self.layouts)])
+            if j < n - 1:
+                ring_.pass_on(j)
+        return [g.mul_(self.grad_scale) for g in ring_.acc]
+
+    def forward(self, *tensors):
+        n_inputs = len(tensors) - len(self.param_names)
+        if not torch.is_grad_enabled():
+            return self.run(tensors[:n_inputs], self.gather(tensors[n_inputs:]))
+        return _GatherGrad.apply(self, n_inputs, *tensors)
