@@ -38,9 +38,22 @@ def _transposed_param(value, reads):
     return None, False
 
 
-def _kwargs(node: fx.Node, gm) -> dict | None:
-    bound = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
-    return None if bound is None else dict(bound.kwargs)
+CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+CONV_TRANSPOSE_ARGS = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups",
+                       "dilation")
+
+
+def _kwargs(node: fx.Node, gm, names: tuple[str, ...] = ()) -> dict | None:
+    """The node's arguments by name; `names` binds positionally where overloads are ambiguous."""
+    try:
+        bound = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+    except RuntimeError:
+        bound = None
+    if bound is not None:
+        return dict(bound.kwargs)
+    if names and len(node.args) <= len(names):
+        return {**dict(zip(names, node.args)), **node.kwargs}
+    return None
 
 
 def _is_activation(value, reads) -> bool:
@@ -84,7 +97,7 @@ def _pair(v, n):
 
 
 def _conv(node, gm, reads, transposed, n):
-    k = _kwargs(node, gm)
+    k = _kwargs(node, gm, CONV_TRANSPOSE_ARGS if transposed else CONV_ARGS)
     if not k or k.get("groups", 1) != 1:
         return None
     weight, bias, x = k["weight"], k.get("bias"), k["input"]
@@ -212,5 +225,5 @@ def match_op(node: fx.Node, gm: fx.GraphModule, reads: dict[fx.Node, str]) -> Op
     adapter = ADAPTERS.get(node.target) if node.op == "call_function" else None
     try:
         return adapter(node, gm, reads) if adapter else None
-    except (TypeError, ValueError, KeyError):
+    except (TypeError, ValueError, KeyError, RuntimeError):
         return None  # arguments the adapter does not understand: gathered, never guessed

@@ -36,9 +36,11 @@ def backward_schedule(world_size: int) -> list[Event]:
     """Reverse steps j = 0..N-1 (forward step N-1-j).
 
     fetch_start(j)/fetch_wait(j): the weight shard for step j arrives from rank+1 (the last step
-    uses the rank's own shard, so it fetches nothing); grad(j): this rank's gradient for the
-    shard and its part of dx; accumulate(j): add it to the accumulator of that shard received
-    from rank+1 (waiting for it; step 0 starts the accumulator); pass(j): send the accumulator on to rank-1 (the last step keeps it: owner).
+    uses the rank's own shard, so it fetches nothing); input_grad(j): this step's part of dx,
+    computed while the accumulator hop is in flight; receive_grad(j): wait for that shard's
+    accumulator from rank+1 (step 0 starts one at zero); weight_grad(j): add this rank's
+    gradient into it in place; pass(j): send it on to rank-1 (the last step keeps it: owner).
+    In flight at most: weight held + incoming, accumulator outgoing + incoming.
     """
     n = world_size
     events = [Event("fetch_start", 0)] if n > 1 else []
@@ -47,8 +49,7 @@ def backward_schedule(world_size: int) -> list[Event]:
             events.append(Event("fetch_wait", j))
         if j + 1 < n - 1:
             events.append(Event("fetch_start", j + 1))
-        events.append(Event("grad", j))
-        events.append(Event("accumulate", j))
+        events += [Event("input_grad", j), Event("receive_grad", j), Event("weight_grad", j)]
         if j < n - 1:
             events.append(Event("pass", j))
     return events

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from rtp_compile.capture import CaptureError, capture
+from rtp_compile.capture import CaptureError, canonicalise_parameter_reads, capture
 from rtp_compile.program import RTPProgram
 from rtp_compile.runtime.launch import RankError, launch
 from rtp_compile.passes.lower_modules import lower_modules
@@ -32,6 +32,7 @@ def transform(model: nn.Module, world_size: int, example_inputs=None, *, example
     gm = captured.gm
     if captured.level == "function":
         lower_modules(gm)
+        canonicalise_parameter_reads(gm, captured.aliases)  # lowered modules read tied aliases
     split_norm_affine(gm)
     plan = plan_sharding(gm, world_size, captured.params, captured.aliases)
     gm, bodies = rotate(gm, plan)

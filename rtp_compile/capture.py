@@ -53,7 +53,7 @@ def capture(model: nn.Module, example_inputs=None, example_kwargs=None) -> Captu
         gm, level = _trace_fx(model), "function"
     else:
         gm, level = _export(model, example_inputs, example_kwargs), "aten"
-    _canonicalise_parameter_reads(gm, aliases)
+    canonicalise_parameter_reads(gm, aliases)
     return Captured(gm, level, params, aliases, list(model.state_dict().keys()))
 
 
@@ -96,7 +96,7 @@ def _export(model: nn.Module, args, kwargs) -> fx.GraphModule:
     )
 
 
-def _canonicalise_parameter_reads(gm: fx.GraphModule, aliases: dict[str, list[str]]) -> None:
+def canonicalise_parameter_reads(gm: fx.GraphModule, aliases: dict[str, list[str]]) -> None:
     """Point every get_attr of a tied alias at its canonical name."""
     canonical = {alias: canon for canon, names in aliases.items() for alias in names}
     for node in gm.graph.nodes:

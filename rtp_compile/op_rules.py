@@ -7,8 +7,9 @@ outputs, or sum them), and gives two functions written in plain torch ops:
 
 - `forward_step`: the partial output of one step; codegen traces it into the emitted graph, so the
   per-rank code shows the real ops with the rank's offsets as constants;
-- `backward_step`: run eagerly by the rotation unit's backward: the shard's gradient from this
-  rank's batch, and the step's part of the input gradient, accumulated into `dx`.
+- `input_grad` / `weight_grads`: run eagerly by the rotation unit's backward: the step's part of
+  the input gradient, added into `dx`, and this rank's gradient of the shard, added in place into
+  the travelling accumulator (so no separate gradient buffer is allocated).
 
 `Slot(offset, valid)` locates a shard inside the full parameter along its shard dim: the shard
 tensor is always padded to the same length, and only its first `valid` entries are real.
@@ -61,7 +62,12 @@ class Rule:
     def forward_step(self, mode, options, x, shards, slots, shapes):
         raise NotImplementedError
 
-    def backward_step(self, mode, options, dy, x, shards, slots, shapes, dx):
+    def input_grad(self, mode, options, dy, x, shards, slots, shapes, dx) -> None:
+        """Add this step's part of the input gradient into `dx`."""
+        raise NotImplementedError
+
+    def weight_grads(self, mode, options, dy, x, shards, slots, shapes, into) -> None:
+        """Add this rank's gradient of each shard's real part into `into[role]` (in place)."""
         raise NotImplementedError
 
 
@@ -102,28 +108,29 @@ class LinearRule(Rule):
             y = y + _bias_in_slot(shards["bias"], slots["bias"], shapes["bias"][0])
         return y
 
-    def backward_step(self, mode, options, dy, x, shards, slots, shapes, dx):
+    def input_grad(self, mode, options, dy, x, shards, slots, shapes, dx):
         wdim = self.modes(shapes, options)[mode]["weight"]
         ws = slots["weight"]
         w = self._weight(options, shards["weight"], wdim, ws)
-        grads = {}
         if mode == "col":
-            dy_s = dy.narrow(-1, ws.offset, ws.valid)
-            gw = _flat2d(dy_s).t() @ _flat2d(x)
-            if dx is not None:
-                dx += dy_s @ w
-            if "bias" in shards:
-                grads["bias"] = _flat2d(dy_s).sum(0)
+            dx += dy.narrow(-1, ws.offset, ws.valid) @ w
         else:
-            x_s = x.narrow(-1, ws.offset, ws.valid)
-            gw = _flat2d(dy).t() @ _flat2d(x_s)
-            if dx is not None:
-                dx.narrow(-1, ws.offset, ws.valid).add_(dy @ w)
-            if "bias" in shards:
+            dx.narrow(-1, ws.offset, ws.valid).add_(dy @ w)
+
+    def weight_grads(self, mode, options, dy, x, shards, slots, shapes, into):
+        ws = slots["weight"]
+        gw = into["weight"].t() if options.get("transposed") else into["weight"]  # [out, in] view
+        if mode == "col":
+            dy2 = _flat2d(dy.narrow(-1, ws.offset, ws.valid))
+            gw.addmm_(dy2.t(), _flat2d(x))
+            if "bias" in into:
+                into["bias"].add_(dy2.sum(0))
+        else:
+            dy2 = _flat2d(dy)
+            gw.addmm_(dy2.t(), _flat2d(x.narrow(-1, ws.offset, ws.valid)))
+            if "bias" in into:
                 bs = slots["bias"]
-                grads["bias"] = _flat2d(dy).narrow(1, bs.offset, bs.valid).sum(0)
-        grads["weight"] = gw.t() if options.get("transposed") else gw
-        return grads
+                into["bias"].add_(dy2.narrow(1, bs.offset, bs.valid).sum(0))
 
 
 def _bias_in_slot(bias_shard, slot: Slot, total: int):
@@ -159,31 +166,31 @@ class ConvRule(Rule):
             y = y + bias.view([-1] + [1] * len(options["stride"]))
         return y
 
-    def backward_step(self, mode, options, dy, x, shards, slots, shapes, dx):
+    def _operands(self, mode, options, dy, x, shards, slots, shapes):
+        """(output grad, input, weight) of this step's convolution."""
         wdim = self.modes(shapes, options)[mode]["weight"]
         ws = slots["weight"]
         w = _part(shards["weight"], wdim, ws)
-        spatial = [d for d in range(dy.dim()) if d != 1]
-        grads = {}
         if mode == "col":
-            dy_s = dy.narrow(1, ws.offset, ws.valid)
-            gx, gw, _ = torch.ops.aten.convolution_backward(
-                dy_s, x, w, None, *self._args(options), [dx is not None, True, False])
-            if dx is not None:
-                dx += gx
-            if "bias" in shards:
-                grads["bias"] = dy_s.sum(spatial)
-        else:
-            x_s = x.narrow(1, ws.offset, ws.valid)
-            gx, gw, _ = torch.ops.aten.convolution_backward(
-                dy, x_s, w, None, *self._args(options), [dx is not None, True, False])
-            if dx is not None:
-                dx.narrow(1, ws.offset, ws.valid).add_(gx)
-            if "bias" in shards:
-                bs = slots["bias"]
-                grads["bias"] = dy.narrow(1, bs.offset, bs.valid).sum(spatial)
-        grads["weight"] = gw
-        return grads
+            return dy.narrow(1, ws.offset, ws.valid), x, w
+        return dy, x.narrow(1, ws.offset, ws.valid), w
+
+    def input_grad(self, mode, options, dy, x, shards, slots, shapes, dx):
+        g, inp, w = self._operands(mode, options, dy, x, shards, slots, shapes)
+        gx = torch.ops.aten.convolution_backward(g, inp, w, None, *self._args(options),
+                                                 [True, False, False])[0]
+        ws = slots["weight"]
+        (dx if mode == "col" else dx.narrow(1, ws.offset, ws.valid)).add_(gx)
+
+    def weight_grads(self, mode, options, dy, x, shards, slots, shapes, into):
+        g, inp, w = self._operands(mode, options, dy, x, shards, slots, shapes)
+        gw = torch.ops.aten.convolution_backward(g, inp, w, None, *self._args(options),
+                                                 [False, True, False])[1]
+        into["weight"].add_(gw)
+        if "bias" in into:
+            spatial = [d for d in range(dy.dim()) if d != 1]
+            bs = slots["bias"]
+            into["bias"].add_(dy.narrow(1, bs.offset, bs.valid).sum(spatial))
 
 
 class EmbeddingRule(Rule):
@@ -199,13 +206,15 @@ class EmbeddingRule(Rule):
     def forward_step(self, mode, options, x, shards, slots, shapes):
         return F.embedding(x, _part(shards["weight"], 1, slots["weight"]))
 
-    def backward_step(self, mode, options, dy, x, shards, slots, shapes, dx):
+    def input_grad(self, mode, options, dy, x, shards, slots, shapes, dx):
+        pass  # indices have no gradient
+
+    def weight_grads(self, mode, options, dy, x, shards, slots, shapes, into):
         ws = slots["weight"]
         padding_idx = options.get("padding_idx")
-        gw = torch.ops.aten.embedding_dense_backward(
+        into["weight"].add_(torch.ops.aten.embedding_dense_backward(
             dy.narrow(-1, ws.offset, ws.valid), x, shapes["weight"][0],
-            -1 if padding_idx is None else padding_idx, options.get("scale_grad_by_freq", False))
-        return {"weight": gw}
+            -1 if padding_idx is None else padding_idx, options.get("scale_grad_by_freq", False)))
 
 
 def affine(x: torch.Tensor, weight, bias, dim: int) -> torch.Tensor:
@@ -254,28 +263,30 @@ class ElementwiseRule(Rule):
         bias = _part(shards["bias"], pdim, slot) if "bias" in shards else None
         return affine(x_s, weight, bias, options["dim"])
 
-    def backward_step(self, mode, options, dy, x, shards, slots, shapes, dx):
+    def _step_operands(self, mode, options, dy, x, slots, shapes):
         pdim, xdim = self._mode_dims(mode, options, shapes)
         slot = next(iter(slots.values()))
-        x_s = x.narrow(xdim, slot.offset, slot.valid)
-        dy_s = dy.narrow(xdim, slot.offset, slot.valid)
-        channel = options["dim"] >= 0
+        return pdim, xdim, slot, x.narrow(xdim, slot.offset, slot.valid), \
+            dy.narrow(xdim, slot.offset, slot.valid)
+
+    def input_grad(self, mode, options, dy, x, shards, slots, shapes, dx):
+        pdim, xdim, slot, x_s, dy_s = self._step_operands(mode, options, dy, x, slots, shapes)
         weight = _part(shards["weight"], pdim, slot) if "weight" in shards else None
-        grads = {}
+        dx_s = dy_s if weight is None else affine(dy_s, weight, None, options["dim"])
+        dx.narrow(xdim, slot.offset, slot.valid).add_(dx_s.sum_to_size(x_s.shape))
 
-        def reduce_to_param(t, param_part):
-            if channel:
+    def weight_grads(self, mode, options, dy, x, shards, slots, shapes, into):
+        pdim, xdim, slot, x_s, dy_s = self._step_operands(mode, options, dy, x, slots, shapes)
+
+        def reduced(t, target):  # sum over the dims the parameter is broadcast along
+            if options["dim"] >= 0:
                 return t.sum([d for d in range(t.dim()) if d != options["dim"]])
-            return t.sum_to_size(param_part.shape)
+            return t.sum_to_size(target.shape)
 
-        if weight is not None:
-            grads["weight"] = reduce_to_param(dy_s * x_s, weight)
-        if "bias" in shards:
-            grads["bias"] = reduce_to_param(dy_s, _part(shards["bias"], pdim, slot))
-        if dx is not None:
-            dx_s = dy_s if weight is None else affine(dy_s, weight, None, options["dim"])
-            dx.narrow(xdim, slot.offset, slot.valid).add_(dx_s.sum_to_size(x_s.shape))
-        return grads
+        if "weight" in into:
+            into["weight"].add_(reduced(dy_s * x_s, into["weight"]))
+        if "bias" in into:
+            into["bias"].add_(reduced(dy_s, into["bias"]))
 
 
 RULES: dict[str, Rule] = {r.name: r for r in (LinearRule(), ConvRule(), EmbeddingRule(),

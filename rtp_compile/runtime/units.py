@@ -18,36 +18,40 @@ from rtp_compile.runtime import ring
 from rtp_compile.passes.schedule import backward_schedule, backward_shard
 
 
-def _padded(grad: torch.Tensor, layout) -> torch.Tensor:
-    """A shard-shaped tensor holding `grad` (the real part of one shard) and zero padding."""
-    if tuple(grad.shape) == layout.shard_shape:
-        return grad.contiguous()
-    out = grad.new_zeros(layout.shard_shape)
-    out.narrow(layout.dim, 0, grad.shape[layout.dim]).copy_(grad)
-    return out
+def _real_part(t: torch.Tensor, layout, slot) -> torch.Tensor:
+    """The unpadded region of a shard-shaped tensor."""
+    dim = 0 if layout.dim is None else layout.dim
+    return t if slot.valid == slot.length else t.narrow(dim, 0, slot.valid)
 
 
 class GradientRing:
-    """Ring reduce-scatter driven step by step: step j adds this rank's part for shard
-    (rank+1+j) mod N to what arrived from rank+1 and passes it on to rank-1."""
+    """Ring reduce-scatter driven step by step: at step j a rank adds its gradient for shard
+    (rank+1+j) mod N, in place, to the accumulator that arrived from rank+1, and passes it on to
+    rank-1; after the last step each rank holds the complete gradient of its own shard."""
 
-    def __init__(self, world_size: int, group_name: str, tag: int, where: str):
-        self.world_size, self.group_name, self.tag, self.where = world_size, group_name, tag, where
+    def __init__(self, layouts, group_name: str, tag: int, where: str, like: torch.Tensor):
+        self.layouts, self.group_name, self.tag, self.where = layouts, group_name, tag, where
+        self.like = like
         self.acc: list[torch.Tensor] | None = None
         self.incoming: list[torch.Tensor] | None = None
 
-    def accumulate(self, contribution: list[torch.Tensor]) -> None:
+    def receive(self) -> None:
         if self.incoming is None:
-            self.acc = contribution
-            return
-        ring.wait(self.incoming)
-        self.acc = [a.add_(c) for a, c in zip(self.incoming, contribution)]
-        self.incoming = None
+            self.acc = [self.like.new_zeros(lay.shard_shape) for lay in self.layouts]
+        else:
+            ring.wait(self.incoming)
+            self.acc, self.incoming = self.incoming, None
+
+    def real_parts(self, shard: int) -> list[torch.Tensor]:
+        return [_real_part(a, lay, lay.slot(shard)) for a, lay in zip(self.acc, self.layouts)]
 
     def pass_on(self, step: int) -> None:
         self.incoming = ring.shift_start(self.acc, self.group_name, -1, self.tag,
                                          f"{self.where}: gradient hop {step}")
         self.acc = None
+
+    def result(self, scale: float) -> list[torch.Tensor]:
+        return [a.mul_(scale) if scale != 1 else a for a in self.acc]
 
 
 class _RotationGrad(torch.autograd.Function):
@@ -93,33 +97,30 @@ class RotationUnit(nn.Module):
         """dx and this rank's (averaged) shard gradients, by the backward schedule."""
         n, where = self.world_size, f"{self.unit_name} backward"
         dx = torch.zeros_like(x) if need_dx else None
-        grads = GradientRing(n, self.group_name, self.tag + 2, where) if need_dw else None
+        grads = GradientRing(self.layouts, self.group_name, self.tag + 2, where, own[0]) \
+            if need_dw else None
         held, incoming = own, None
         for event in backward_schedule(n):
-            j = event.step
-            if event.action == "fetch_start":
-                source = own if j == 0 else held
-                incoming = ring.shift_start(source, self.group_name, -1, self.tag + 1,
-                                            f"{where}: weight hop {j}")
-            elif event.action == "fetch_wait":
+            j, action = event.step, event.action
+            s = backward_shard(self.rank, j, n)
+            slots = {r: lay.slot(s) for r, lay in zip(self.roles, self.layouts)}
+            shards = dict(zip(self.roles, own if j == n - 1 else held))  # last step: own shard
+            args = (self.mode, self.options, dy, x, shards, slots, self.shapes)
+            if action == "fetch_start":
+                incoming = ring.shift_start(own if j == 0 else held, self.group_name, -1,
+                                            self.tag + 1, f"{where}: weight hop {j}")
+            elif action == "fetch_wait":
                 ring.wait(incoming)
                 held = incoming
-            elif event.action == "grad":
-                shards = own if j == n - 1 else held  # the last step holds the rank's own shard
-                s = backward_shard(self.rank, j, n)
-                slots = {r: lay.slot(s) for r, lay in zip(self.roles, self.layouts)}
-                step_grads = self.rule.backward_step(
-                    self.mode, self.options, dy, x, dict(zip(self.roles, shards)), slots,
-                    self.shapes, dx)
-                contribution = [_padded(step_grads[r], lay)
-                                for r, lay in zip(self.roles, self.layouts)] if need_dw else None
-            elif event.action == "accumulate" and need_dw:
-                grads.accumulate(contribution)
-            elif event.action == "pass" and need_dw:
+            elif action == "input_grad" and need_dx:
+                self.rule.input_grad(*args, dx)
+            elif action == "receive_grad" and need_dw:
+                grads.receive()
+            elif action == "weight_grad" and need_dw:
+                self.rule.weight_grads(*args, dict(zip(self.roles, grads.real_parts(s))))
+            elif action == "pass" and need_dw:
                 grads.pass_on(j)
-        if not need_dw:
-            return dx, None
-        return dx, [g.mul_(self.grad_scale) if self.grad_scale != 1 else g for g in grads.acc]
+        return dx, grads.result(self.grad_scale) if need_dw else None
 
 
 def ring_all_gather(own: list[torch.Tensor], layouts, rank: int, world_size: int,
@@ -204,13 +205,18 @@ class GatherUnit(nn.Module):
 
     def reduce_scatter(self, full_grads):
         n = self.world_size
-        ring_ = GradientRing(n, self.group_name, self.tag + 2, f"{self.unit_name} backward")
+        grads = GradientRing(self.layouts, self.group_name, self.tag + 2,
+                             f"{self.unit_name} backward", full_grads[0])
         for j in range(n):
             s = backward_shard(self.rank, j, n)
-            ring_.accumulate([lay.shard(g, s) for g, lay in zip(full_grads, self.layouts)])
+            grads.receive()
+            for part, g, lay in zip(grads.real_parts(s), full_grads, self.layouts):
+                slot = lay.slot(s)
+                flat = g.reshape(-1) if lay.dim is None else g
+                part.add_(flat.narrow(0 if lay.dim is None else lay.dim, slot.offset, slot.valid))
             if j < n - 1:
-                ring_.pass_on(j)
-        return [g.mul_(self.grad_scale) for g in ring_.acc]
+                grads.pass_on(j)
+        return grads.result(self.grad_scale)
 
     def forward(self, *tensors):
         n_inputs = len(tensors) - len(self.param_names)
