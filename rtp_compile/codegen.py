@@ -147,11 +147,12 @@ class RankEmitter:
                 out = unit.call.rule.forward_step(
                     unit.mode, unit.call.options, proxy(x_d),
                     {r: proxy(h) for r, h in zip(roles, held)}, slots, shapes)
-                outputs[s] = out.node
-                out.node._rename(f"{name}_y{k}")
+                if out is not None:
+                    outputs[s] = out.node
+                    out.node._rename(f"{name}_y{k}")
         self.tracer.tag = {"unit": name, "step": self.n - 1, "action": "combine"}
         combine = unit.call.rule.combine(unit.mode, unit.call.options, shapes)
-        parts = [outputs[s] for s in range(self.n)]
+        parts = [outputs[s] for s in range(self.n) if s in outputs]
         if combine.how == "cat":
             y = self.tracer.create_node("call_function", torch.cat, (parts, combine.dim), {},
                                         name=f"{name}_out")

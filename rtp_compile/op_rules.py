@@ -60,6 +60,7 @@ class Rule:
         raise NotImplementedError
 
     def forward_step(self, mode, options, x, shards, slots, shapes):
+        """This step's partial output, or None when the shard is all padding."""
         raise NotImplementedError
 
     def input_grad(self, mode, options, dy, x, shards, slots, shapes, dx) -> None:
@@ -155,15 +156,19 @@ class ConvRule(Rule):
 
     def forward_step(self, mode, options, x, shards, slots, shapes):
         wdim = self.modes(shapes, options)[mode]["weight"]
-        w = _part(shards["weight"], wdim, slots["weight"])
+        ws = slots["weight"]
+        w = _part(shards["weight"], wdim, ws)
         if mode == "col":
+            if ws.valid == 0:
+                return None  # an all-padding shard adds no output channel
             b = _part(shards["bias"], 0, slots["bias"]) if "bias" in shards else None
             return torch.convolution(x, w, b, *self._args(options))
-        ws = slots["weight"]
-        y = torch.convolution(x.narrow(1, ws.offset, ws.valid), w, None, *self._args(options))
-        if "bias" in shards:
+        y = None if ws.valid == 0 else torch.convolution(
+            x.narrow(1, ws.offset, ws.valid), w, None, *self._args(options))
+        if "bias" in shards and slots["bias"].valid:
             bias = _bias_in_slot(shards["bias"], slots["bias"], shapes["bias"][0])
-            y = y + bias.view([-1] + [1] * len(options["stride"]))
+            bias = bias.view([-1] + [1] * len(options["stride"]))
+            y = bias if y is None else y + bias
         return y
 
     def _operands(self, mode, options, dy, x, shards, slots, shapes):
@@ -176,6 +181,8 @@ class ConvRule(Rule):
         return dy, x.narrow(1, ws.offset, ws.valid), w
 
     def input_grad(self, mode, options, dy, x, shards, slots, shapes, dx):
+        if slots["weight"].valid == 0:
+            return
         g, inp, w = self._operands(mode, options, dy, x, shards, slots, shapes)
         gx = torch.ops.aten.convolution_backward(g, inp, w, None, *self._args(options),
                                                  [True, False, False])[0]
@@ -183,10 +190,11 @@ class ConvRule(Rule):
         (dx if mode == "col" else dx.narrow(1, ws.offset, ws.valid)).add_(gx)
 
     def weight_grads(self, mode, options, dy, x, shards, slots, shapes, into):
-        g, inp, w = self._operands(mode, options, dy, x, shards, slots, shapes)
-        gw = torch.ops.aten.convolution_backward(g, inp, w, None, *self._args(options),
-                                                 [False, True, False])[1]
-        into["weight"].add_(gw)
+        if slots["weight"].valid:
+            g, inp, w = self._operands(mode, options, dy, x, shards, slots, shapes)
+            gw = torch.ops.aten.convolution_backward(g, inp, w, None, *self._args(options),
+                                                     [False, True, False])[1]
+            into["weight"].add_(gw)
         if "bias" in into:
             spatial = [d for d in range(dy.dim()) if d != 1]
             bs = slots["bias"]

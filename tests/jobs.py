@@ -1,0 +1,88 @@
+"""Functions the tests run on every rank of a real job (rtp_compile.launch, gloo)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import rtp_compile
+from zoo import batch, build
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """max |a - b| / max(max |b|, floor): relative error, with a floor for tensors that are zero
+    in exact arithmetic (a conv bias before BatchNorm, a key bias) and so hold rounding noise."""
+    if not b.numel():
+        return 0.0
+    scale = max(b.abs().max().item(), floor)
+    diff = (a - b).abs().max().item()
+    return diff / scale if scale else diff
+
+
+def grad_errors(full: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """Largest relative error over all gradients, each floored at 1e-6 x the largest gradient."""
+    floor = 1e-6 * max(g.abs().max().item() for g in reference.values() if g.numel())
+    return max(rel_err(full[n], reference[n], floor) for n in full)
+
+
+def loss_of(out: torch.Tensor, seed: int) -> torch.Tensor:
+    """A loss that weighs every output element differently (so every gradient matters)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    return (out * weights).sum() + 0.1 * out.pow(2).sum()
+
+
+def gathered_grads(prog, gm) -> dict[str, torch.Tensor]:
+    """Every parameter's full gradient, from the shards' .grad of all ranks."""
+    out = {}
+    for name, layout in prog.plan.params.items():
+        g = gm.get_parameter(name).grad
+        g = torch.zeros(layout.shard_shape, dtype=layout.dtype) if g is None else g
+        shards = [torch.empty_like(g) for _ in range(dist.get_world_size())]
+        dist.all_gather(shards, g.contiguous())
+        out[name] = layout.unshard(shards)
+    return out
+
+
+def parity(rank: int, world_size: int, names: list[str], seed: int, steps: int = 3,
+           captures=("fx", "export")) -> dict:
+    """Per model and capture path: max relative errors of the output (vs the unsharded model),
+    the gradients after the first backward (vs DDP) and the parameters after every AdamW step
+    (vs DDP's)."""
+    results = {}
+    for name in names:
+        for capture in captures:
+            model = build(name, seed)
+            example = (batch(name, seed, rank, 0),) if capture == "export" else None
+            prog = rtp_compile.transform(model, world_size, example_inputs=example)
+            gm = prog.module(rank)
+            reference = copy.deepcopy(model)
+            ddp = DDP(copy.deepcopy(model))
+            # eps=1e-6: gradients that are zero in exact arithmetic (attention's key bias) are
+            # rounding noise (~1e-17) in both runs, and Adam's g/(|g|+eps) would amplify that
+            # noise to ~1e-9 with the default eps; the gradients themselves are compared above.
+            opt = torch.optim.AdamW(gm.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+            ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+            errors = {"output": 0.0, "grad": 0.0, "param": 0.0}
+            for step in range(steps):
+                x = batch(name, seed, rank, step)
+                out = gm(x)
+                if step == 0:
+                    errors["output"] = rel_err(out, reference(x))
+                loss_of(out, seed + step).backward()
+                loss_of(ddp(x), seed + step).backward()
+                if step == 0:
+                    errors["grad"] = grad_errors(gathered_grads(prog, gm), {
+                        n: ddp.module.get_parameter(n).grad for n in prog.plan.params})
+                opt.step()
+                ddp_opt.step()
+                opt.zero_grad()
+                ddp_opt.zero_grad()
+                state = prog.full_state_dict(gm)
+                ddp_state = ddp.module.state_dict()
+                errors["param"] = max(errors["param"], max(
+                    rel_err(state[n], ddp_state[n]) for n, _ in model.named_parameters()))
+            results[(name, capture)] = errors
+    return results

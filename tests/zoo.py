@@ -1,0 +1,104 @@
+"""Models the tests compile, with sizes chosen so most dims are not divisible by 2, 3 or 4."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rtp_compile.models import GPTConfig, TinyGPT
+
+
+class MLP(nn.Module):
+    """Linear layers of uneven width with LayerNorm and RMSNorm between them."""
+
+    def __init__(self, d_in=7, hidden=11, d_out=5):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, hidden, bias=False)
+        self.rms = nn.RMSNorm(hidden)
+        self.head = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        h = F.gelu(self.norm(self.fc1(x)))
+        return self.head(self.rms(torch.tanh(self.fc2(h))))
+
+
+class ConvNet(nn.Module):
+    """Conv2d (stride, padding, bias), BatchNorm with running statistics, a row-split-able head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 5, 3, padding=1)
+        self.bn = nn.BatchNorm2d(5)
+        self.conv2 = nn.Conv2d(5, 7, 3, stride=2, bias=False)
+        self.conv3 = nn.Conv1d(7, 6, 2)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.conv1(x)))
+        h = self.conv2(h).flatten(2)                 # [B, 7, L]
+        h = self.conv3(h).mean(-1)
+        return self.fc(h)
+
+
+class NoRuleOps(nn.Module):
+    """Parameters used by ops without a shard rule: einsum, bmm, a parameter-only chain, a
+    scalar, a class token expanded over the batch. Exercises the gather fallback."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.mix = nn.Parameter(torch.randn(d, d) / d)
+        self.batch_w = nn.Parameter(torch.randn(1, d, d) / d)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.cls = nn.Parameter(torch.randn(1, 1, d))
+        self.proj = nn.Linear(d, 3)
+
+    def forward(self, x):                            # x: [B, T, d]
+        h = torch.einsum("btd,de->bte", x, self.mix)
+        h = torch.bmm(h, self.batch_w.expand(x.size(0), -1, -1))
+        h = h * (self.scale * 2)
+        h = torch.cat([self.cls.expand(x.size(0), -1, -1), h], dim=1)
+        return self.proj(torch.tanh(h))
+
+
+class SharedLayer(nn.Module):
+    """One Linear called twice, and a Linear whose weight is transposed explicitly."""
+
+    def __init__(self, d=9):
+        super().__init__()
+        self.block = nn.Linear(d, d)
+        self.back = nn.Parameter(torch.randn(d, 4) / 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.block(x))
+        h = torch.tanh(self.block(h))
+        return h @ self.back                          # matmul by a parameter stored [in, out]
+
+
+def tiny_gpt():
+    return TinyGPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10))
+
+
+# name -> (factory, make a batch from a generator, supports fx capture)
+def _tokens(g):
+    return torch.randint(0, 37, (2, 8), generator=g)
+
+
+ZOO = {
+    "mlp": (MLP, lambda g: torch.randn(4, 3, 7, generator=g, dtype=torch.float64)),
+    "gpt": (tiny_gpt, _tokens),
+    "conv": (ConvNet, lambda g: torch.randn(2, 3, 9, 9, generator=g, dtype=torch.float64)),
+    "norule": (NoRuleOps, lambda g: torch.randn(2, 4, 6, generator=g, dtype=torch.float64)),
+    "shared": (SharedLayer, lambda g: torch.randn(3, 9, generator=g, dtype=torch.float64)),
+}
+
+
+def build(name: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return ZOO[name][0]().double()
+
+
+def batch(name: str, seed: int, rank: int, step: int = 0):
+    g = torch.Generator().manual_seed(seed * 1000 + rank * 10 + step)
+    return ZOO[name][1](g)
