@@ -86,3 +86,68 @@ def parity(rank: int, world_size: int, names: list[str], seed: int, steps: int =
                     rel_err(state[n], ddp_state[n]) for n, _ in model.named_parameters()))
             results[(name, capture)] = errors
     return results
+
+
+class ShardBufferTracker(torch.utils._python_dispatch.TorchDispatchMode):
+    """Watches every tensor any op creates: how many shard-sized buffers of each watched weight
+    are alive at once (by storage), and whether a full-size one ever appears."""
+
+    def __init__(self, watched: dict[str, tuple[int, int]], owned: set[int]):
+        super().__init__()
+        self.watched = watched      # name -> (shard bytes, full bytes)
+        self.owned = owned          # storages of the rank's own parameters: not transient
+        self.alive: dict[str, dict[int, object]] = {n: {} for n in watched}
+        self.peak: dict[str, int] = {n: 0 for n in watched}
+        self.full_size: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            for name, (shard_bytes, full_bytes) in self.watched.items():
+                if storage.nbytes() == full_bytes or t.numel() * t.element_size() == full_bytes:
+                    self.full_size.append(f"{func} made a {tuple(t.shape)} tensor ({name} size)")
+                if storage.nbytes() == shard_bytes and storage.data_ptr() not in self.owned:
+                    self.alive[name][storage.data_ptr()] = weakref.ref(storage)
+        for name, refs in self.alive.items():
+            for key in [k for k, r in refs.items() if r() is None]:
+                del refs[key]
+            self.peak[name] = max(self.peak[name], len(refs))
+        return out
+
+    def reset_peaks(self):
+        self.peak = {n: 0 for n in self.watched}
+
+
+def buffer_peaks(rank: int, world_size: int, seed: int) -> dict:
+    """Peak number of live shard-sized buffers per rotated weight, forward and backward, for a
+    model whose weights have unique sizes (no activation shares their byte size)."""
+    from torch import nn
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 19), nn.Tanh(),
+                          nn.Linear(19, 3)).double()
+    prog = rtp_compile.transform(model, world_size)
+    gm = prog.module(rank)
+    watched = {}
+    for name, layout in prog.plan.params.items():
+        if name.endswith("weight"):
+            full = int(torch.tensor(layout.shape).prod()) * 8
+            watched[name] = (layout.shard_bytes, full)
+    x = torch.randn(9, 24, dtype=torch.float64, requires_grad=True)  # no activation of a shard's size
+    owned = {p.untyped_storage().data_ptr() for p in gm.parameters()}
+    with ShardBufferTracker(watched, owned) as tracker:
+        loss = gm(x).pow(2).sum()
+        forward = dict(tracker.peak)
+        tracker.reset_peaks()
+        loss.backward()
+        backward = dict(tracker.peak)
+    del loss
+    grads = {p.grad.untyped_storage().data_ptr() for p in gm.parameters()}
+    leftover = {name: len([k for k, r in refs.items() if r() is not None and k not in grads])
+                for name, refs in tracker.alive.items()}
+    from rtp_compile.runtime import ring
+    return {"forward": forward, "backward": backward, "full_size": tracker.full_size,
+            "leftover": leftover, "pending": len(ring._pending)}

@@ -43,8 +43,8 @@ def test_demo_command_prints_loss_table():
 
 
 @pytest.mark.timeout(300)
-def test_demo_trains_and_matches_ddp_with_half_the_parameter_bytes():
-    result = run_demo(world_size=2, steps=30)
+def test_demo_trains_and_matches_ddp_with_half_the_parameter_bytes(seed):
+    result = run_demo(world_size=2, steps=30, seed=seed)
     rtp, ddp = result["rtp_loss"], result["ddp_loss"]
     assert len(rtp) == len(ddp) == 30
     assert rtp[-1] < 0.7 * rtp[0], rtp
