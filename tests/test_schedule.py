@@ -1,0 +1,81 @@
+"""Communication/compute overlap, read off the emitted graphs (DESIGN.md invariant 3).
+
+Forward, in every unit of every rank: the hop that brings step k+1's shard is started before
+any op of step k's compute, waited on after step k's compute and before step k+1's. Backward
+(the schedule the runtime follows): each weight hop is started a step before it is needed, and
+at most two weight and two gradient buffers are in flight.
+"""
+import pytest
+import torch
+
+import rtp_compile
+from rtp_compile.passes.schedule import backward_schedule, forward_schedule
+from zoo import build
+
+
+def unit_events(gm):
+    """unit -> list of (position in the graph, step, action) of its emitted nodes."""
+    events = {}
+    for i, node in enumerate(gm.graph.nodes):
+        tag = node.meta.get("rtp")
+        if tag and tag["step"] is not None:
+            events.setdefault(tag["unit"], []).append((i, tag["step"], tag["action"]))
+    return events
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("model", ["mlp", "gpt", "conv"])
+def test_sends_start_before_the_step_they_overlap_and_wait_before_the_next(model, world_size):
+    prog = rtp_compile.transform(build(model, 0), world_size)
+    for rank in range(world_size):
+        events = unit_events(prog.module(rank))
+        assert set(events) == {u.name for u in prog.plan.units if u.kind == "rotate"}
+        for unit, evs in events.items():
+            where = lambda step, action: [i for i, s, a in evs if s == step and a == action]
+            for k in range(world_size):
+                compute_k = where(k, "compute")
+                if k + 1 < world_size:
+                    (start,), wait = where(k + 1, "start"), min(where(k + 1, "wait"))
+                    if compute_k:  # an all-padding shard computes nothing
+                        assert start < min(compute_k), f"{unit} rank {rank}: start {k + 1}"
+                        assert wait > max(compute_k), f"{unit} rank {rank}: wait {k + 1}"
+                    later = where(k + 1, "compute")
+                    assert not later or wait < min(later), f"{unit} rank {rank}: step {k + 1}"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+def test_forward_schedule_keeps_one_hop_in_flight(world_size):
+    events = forward_schedule(world_size)
+    assert [e.step for e in events if e.action == "compute"] == list(range(world_size))
+    in_flight = 0
+    for e in events:
+        in_flight += {"start": 1, "wait": -1}.get(e.action, 0)
+        assert 0 <= in_flight <= 1
+    assert in_flight == 0
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+def test_backward_schedule_prefetches_and_bounds_buffers(world_size):
+    events = backward_schedule(world_size)
+    order = [(e.action, e.step) for e in events]
+    n = world_size
+    assert [s for a, s in order if a == "weight_grad"] == list(range(n))
+    for j in range(n - 1):  # weight for step j fetched before step j-1 computes its gradient
+        assert order.index(("fetch_wait", j)) < order.index(("input_grad", j))
+        if j > 0:
+            assert order.index(("fetch_start", j)) < order.index(("input_grad", j - 1))
+    assert ("fetch_start", n - 1) not in order  # the last step uses the rank's own shard
+    weights = grads = 0
+    for action, step in order:
+        weights += {"fetch_start": 1, "fetch_wait": -1}.get(action, 0)
+        grads += {"pass": 1, "receive_grad": -1 if step > 0 else 0}.get(action, 0)
+        assert weights <= 1 and grads <= 1
+    assert sum(a == "pass" for a, _ in order) == n - 1
+
+
+def test_emitted_code_reads_as_the_schedule():
+    prog = rtp_compile.transform(torch.nn.Linear(6, 10), 3)
+    code = prog.module(2).code
+    for expected in ("ring_shift_start", "ring_wait", "_y0", "_y1", "_y2", "torch.cat"):
+        assert expected in code
+    assert code.index("_recv1") < code.index("_y0") < code.index("_wait1") < code.index("_y1")
