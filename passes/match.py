@@ -224,6 +224,9 @@ def match_op(node: fx.Node, gm: fx.GraphModule, reads: dict[fx.Node, str]) -> Op
     """The rule view of `node`, or None when it has no rule that can shard its parameters."""
     adapter = ADAPTERS.get(node.target) if node.op == "call_function" else None
     try:
-        return adapter(node, gm, reads) if adapter else None
+        call = adapter(node, gm, reads) if adapter else None
     except (TypeError, ValueError, KeyError, RuntimeError):
         return None  # arguments the adapter does not understand: gathered, never guessed
+    if call is not None:
+        call.input = call.input.name  # plans outlive graph rewrites: refer to nodes by name
+    return call

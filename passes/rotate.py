@@ -78,7 +78,7 @@ def rotate(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, dict[str, fx
     by_node = plan.unit_for_node()
     bodies: dict[str, fx.GraphModule] = {}
     graph = gm.graph
-    replaced: dict[fx.Node, fx.Node] = {}  # units already rewritten: the plan still names them
+    by_name = {n.name: n for n in graph.nodes}  # units rewritten so far map to their markers
     for node in list(graph.nodes):
         unit = by_node.get(node.name)
         if unit is None:
@@ -86,15 +86,16 @@ def rotate(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, dict[str, fx
         with graph.inserting_before(node):
             param_reads = [graph.get_attr(p) for p in unit.params.values()]
             if unit.kind == "rotate":
-                x = replaced.get(unit.call.input, unit.call.input)
+                x = by_name[unit.call.input]
                 marker = graph.call_function(rotation_unit, (unit.name, x, *param_reads))
             else:
                 body, inputs = gather_body(gm, node, consumer_closure(node, param_only))
                 bodies[unit.name] = body
                 marker = graph.call_function(gathered_op, (unit.name, *inputs, *param_reads))
         marker.meta.update(node.meta)
+        marker.meta["is_wrapped"] = True  # fx records it as a call when re-tracing (pickling)
         node.replace_all_uses_with(marker)
-        replaced[node] = marker
+        by_name[node.name] = marker
         graph.erase_node(node)
     # only the parameter reads and parameter-only ops the units took over may go
     graph.eliminate_dead_code(is_impure_node=lambda n: n not in param_only)

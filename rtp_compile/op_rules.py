@@ -43,7 +43,7 @@ class Combine:
 class OpCall:
     """A weight-bearing node seen through its rule: the activation, the parameters by role."""
     rule: "Rule"
-    input: Any                       # the activation node (or value) the op consumes
+    input: Any                       # name of the activation node the op consumes
     params: dict[str, str]           # role ("weight", "bias") -> parameter name
     options: dict = field(default_factory=dict)
 

@@ -151,3 +151,87 @@ def buffer_peaks(rank: int, world_size: int, seed: int) -> dict:
     from rtp_compile.runtime import ring
     return {"forward": forward, "backward": backward, "full_size": tracker.full_size,
             "leftover": leftover, "pending": len(ring._pending)}
+
+
+def no_grad_then_train(rank: int, world_size: int, seed: int) -> dict:
+    """Forward under no_grad and in eval mode leaves every parameter exactly as it was, and the
+    next training step still matches DDP."""
+    model = build("gpt", seed)
+    prog = rtp_compile.transform(model, world_size)
+    gm = prog.module(rank)
+    before = {n: p.detach().clone() for n, p in gm.named_parameters()}
+    x = batch("gpt", seed, rank, 0)
+    with torch.no_grad():
+        out_no_grad = gm(x)
+    gm.eval()
+    out_eval = gm(x)
+    gm.train()
+    unchanged = all(torch.equal(before[n], p) for n, p in gm.named_parameters())
+    ddp = DDP(copy.deepcopy(model))
+    loss_of(gm(x), seed).backward()
+    loss_of(ddp(x), seed).backward()
+    grad = grad_errors(gathered_grads(prog, gm),
+                       {n: ddp.module.get_parameter(n).grad for n in prog.plan.params})
+    reference = model(x)
+    return {"unchanged": unchanged, "grad": grad, "no_grad_out": rel_err(out_no_grad, reference),
+            "eval_out": rel_err(out_eval, reference),
+            "no_grad_fn": out_no_grad.grad_fn is None}
+
+
+def accumulate_like_ddp(rank: int, world_size: int, seed: int, reduction: str) -> dict:
+    """Two forward/backward passes before one step, the first loss still alive (an ordinary
+    loop keeping last step's loss for logging): gradients accumulate like DDP's."""
+    model = build("mlp", seed)
+    prog = rtp_compile.transform(model, world_size, grad_reduction=reduction)
+    gm = prog.module(rank)
+    ddp = DDP(copy.deepcopy(model))
+    kept = []
+    for step in range(2):
+        x = batch("mlp", seed, rank, step)
+        loss = loss_of(gm(x), seed + step)
+        loss.backward(retain_graph=True)
+        kept.append(loss)                         # the graph of the previous step stays alive
+        loss_of(ddp(x), seed + step).backward()
+    scale = world_size if reduction == "sum" else 1
+    return {"grad": grad_errors(gathered_grads(prog, gm),
+                                {n: ddp.module.get_parameter(n).grad * scale
+                                 for n in prog.plan.params})}
+
+
+def state_dict_roundtrip(rank: int, world_size: int, seed: int) -> dict:
+    """full_state_dict gives the model's names and shapes (tied aliases too, buffers too);
+    load_full_state_dict puts another model's state into the shards exactly."""
+    model, other = build("gpt", seed), build("gpt", seed + 1)
+    prog = rtp_compile.transform(model, world_size)
+    gm = prog.module(rank)
+    full = prog.full_state_dict(gm)
+    expected = model.state_dict()
+    same_keys = list(full) == list(expected)
+    exact = all(torch.equal(full[k], expected[k]) for k in expected)
+    prog.load_full_state_dict(gm, other.state_dict())
+    loaded = prog.full_state_dict(gm)
+    x = batch("gpt", seed, rank, 0)
+    return {"same_keys": same_keys, "exact": exact,
+            "loaded": all(torch.equal(loaded[k], v) for k, v in other.state_dict().items()),
+            "output": rel_err(gm(x), other(x))}
+
+
+def subgroup_programs(rank: int, world_size: int, seed: int) -> dict:
+    """Two RTP groups of 2 ranks in a job of 4: each program communicates only in its group."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    model = build("mlp", seed + rank // 2)       # each group trains its own model
+    prog = rtp_compile.transform(model, 2)
+    gm = prog.module(dist.get_rank(group), group=group)
+    x = batch("mlp", seed, rank, 0)
+    loss_of(gm(x), seed).backward()
+    ddp = DDP(copy.deepcopy(model), process_group=group)
+    loss_of(ddp(x), seed).backward()
+    grads = {}
+    for name, layout in prog.plan.params.items():
+        g = gm.get_parameter(name).grad
+        shards = [torch.empty_like(g) for _ in range(2)]
+        dist.all_gather(shards, g.contiguous(), group=group)
+        grads[name] = layout.unshard(shards)
+    return {"output": rel_err(gm(x), model(x)),
+            "grad": grad_errors(grads, {n: ddp.module.get_parameter(n).grad for n in grads})}

@@ -1,0 +1,36 @@
+"""What a DDP user expects of a training loop holds for the emitted modules."""
+import pytest
+
+import rtp_compile
+from jobs import accumulate_like_ddp, no_grad_then_train, state_dict_roundtrip, subgroup_programs
+
+TOL = 1e-9
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_no_grad_and_eval_leave_parameters_untouched(world_size, seed):
+    for r in rtp_compile.launch(no_grad_then_train, world_size, args=(seed,), timeout=120):
+        assert r["unchanged"] and r["no_grad_fn"]
+        assert r["no_grad_out"] <= TOL and r["eval_out"] <= TOL
+        assert r["grad"] <= TOL
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradients_accumulate_across_backward_calls_like_ddp(reduction, seed):
+    for r in rtp_compile.launch(accumulate_like_ddp, 3, args=(seed, reduction), timeout=120):
+        assert r["grad"] <= TOL
+
+
+@pytest.mark.timeout(300)
+def test_full_state_dict_roundtrip(seed):
+    for r in rtp_compile.launch(state_dict_roundtrip, 3, args=(seed,), timeout=120):
+        assert r["same_keys"] and r["exact"] and r["loaded"]
+        assert r["output"] <= TOL
+
+
+@pytest.mark.timeout(300)
+def test_group_argument_confines_communication_to_the_group(seed):
+    for r in rtp_compile.launch(subgroup_programs, 4, args=(seed,), timeout=120):
+        assert r["output"] <= TOL and r["grad"] <= TOL
