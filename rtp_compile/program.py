@@ -100,13 +100,14 @@ class RTPProgram:
         if missing:
             raise KeyError(f"rtp_compile: load_full_state_dict is missing {missing[:5]}"
                            f"{' ...' if len(missing) > 5 else ''}")
+        for name, layout in self.plan.params.items():  # check all before writing any
+            if tuple(state_dict[name].shape) != layout.shape:
+                raise ValueError(f"rtp_compile: parameter {name} has shape "
+                                 f"{tuple(state_dict[name].shape)} in the state_dict, the model "
+                                 f"has {layout.shape}")
         with torch.no_grad():
             for name, layout in self.plan.params.items():
                 value = state_dict[name]
-                if tuple(value.shape) != layout.shape:
-                    raise ValueError(f"rtp_compile: parameter {name} has shape "
-                                     f"{tuple(value.shape)} in the state_dict, the model has "
-                                     f"{layout.shape}")
                 param = gm.get_parameter(name)
                 param.copy_(layout.shard(value.to(param.device, param.dtype), rank))
             for name in self._buffer_names:

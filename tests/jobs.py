@@ -235,3 +235,20 @@ def subgroup_programs(rank: int, world_size: int, seed: int) -> dict:
         grads[name] = layout.unshard(shards)
     return {"output": rel_err(gm(x), model(x)),
             "grad": grad_errors(grads, {n: ddp.module.get_parameter(n).grad for n in grads})}
+
+
+def run_program_of(rank: int, world_size: int, program_world_size: int, module_rank) -> None:
+    """Run a program compiled for `program_world_size` as the module of `module_rank(rank)`."""
+    prog = rtp_compile.transform(build("mlp", 0), program_world_size)
+    gm = prog.module(module_rank(rank))
+    gm(batch("mlp", 0, rank, 0))
+
+
+def stall_one_rank(rank: int, world_size: int) -> None:
+    """Rank 1 stays alive but never joins the ring: rank 0 must fail by the group timeout."""
+    import time
+    prog = rtp_compile.transform(build("mlp", 0), world_size)
+    gm = prog.module(rank)
+    if rank == 1:
+        time.sleep(60)
+    gm(batch("mlp", 0, rank, 0))

@@ -1,0 +1,97 @@
+"""Bad input gets a clear error that names what is wrong and what to do; nothing hangs."""
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import rtp_compile
+from jobs import run_program_of, stall_one_rank
+from zoo import build
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on data: no capture path can take it
+            return self.fc(x)
+        return x
+
+
+class ReturnsWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x), self.fc.weight
+
+
+def test_untraceable_model_names_the_construct_and_the_capture_paths():
+    with pytest.raises(rtp_compile.CaptureError) as err:
+        rtp_compile.transform(DataDependent(), 2)
+    text = str(err.value)
+    assert "DataDependent" in text and "symbolic_trace" in text
+    assert "control flow" in text and "example_inputs" in text
+    with pytest.raises(rtp_compile.CaptureError) as err:
+        rtp_compile.transform(DataDependent(), 2, example_inputs=(torch.randn(2, 4),))
+    assert "torch.export" in str(err.value) and "DataDependent" in str(err.value)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="world_size"):
+        rtp_compile.transform(nn.Linear(3, 3), 0)
+    with pytest.raises(ValueError, match="grad_reduction"):
+        rtp_compile.transform(nn.Linear(3, 3), 2, grad_reduction="max")
+    prog = rtp_compile.transform(nn.Linear(3, 3), 2)
+    with pytest.raises(ValueError, match="rank"):
+        prog.module(2)
+    with pytest.raises(ValueError, match="fc.weight"):
+        rtp_compile.transform(ReturnsWeight(), 2)
+
+
+def test_running_without_a_process_group_says_how_to_start_one():
+    prog = rtp_compile.transform(build("mlp", 0), 2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        prog.module(0)(torch.randn(2, 7, dtype=torch.float64))
+    one = rtp_compile.transform(build("mlp", 0), 1)  # one rank needs no process group
+    assert one.module(0)(torch.randn(2, 7, dtype=torch.float64)).shape == (2, 5)
+
+
+def test_load_full_state_dict_names_the_bad_parameter():
+    model = build("mlp", 0)
+    prog = rtp_compile.transform(model, 1)
+    gm = prog.module(0)
+    state = model.state_dict()
+    with pytest.raises(KeyError, match="fc1.bias"):
+        prog.load_full_state_dict(gm, {k: v for k, v in state.items() if k != "fc1.bias"})
+    state = build("mlp", 1).state_dict()  # other values: a partial load would show
+    state["fc2.weight"] = torch.zeros(3, 3)
+    before = {k: v.clone() for k, v in gm.state_dict().items()}
+    with pytest.raises(ValueError, match="fc2.weight"):
+        prog.load_full_state_dict(gm, state)
+    assert all(torch.equal(before[k], v) for k, v in gm.state_dict().items())
+
+
+@pytest.mark.timeout(120)
+def test_wrong_world_size_fails_before_communication():
+    with pytest.raises(rtp_compile.RankError, match="compiled for world_size=3"):
+        rtp_compile.launch(run_program_of, 2, args=(3, lambda rank: rank), timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_module_of_another_rank_fails_with_a_clear_error():
+    with pytest.raises(rtp_compile.RankError, match="module of rank 0, but it runs on rank 1"):
+        rtp_compile.launch(run_program_of, 2, args=(2, lambda rank: 0), timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_rank_makes_the_others_fail_within_the_group_timeout():
+    start = time.monotonic()
+    with pytest.raises(rtp_compile.RankError) as err:
+        rtp_compile.launch(stall_one_rank, 2, timeout=5)
+    assert time.monotonic() - start < 45
+    assert err.value.rank == 0 and "ring" in str(err.value)
