@@ -193,7 +193,8 @@ def plan_sharding(gm: fx.GraphModule, world_size: int, params: dict[str, torch.T
         mode = _mode_for(call, dims, shapes) if call else None
         if mode is not None:
             base = call.params.get("weight") or next(iter(call.params.values()))
-            plan.units.append(Unit(_unit_name(base.rpartition(".")[0] or base, taken), node.name,
+            plan.units.append(Unit(_unit_name(base.rpartition(".")[0] or node.name, taken),
+                                   node.name,
                                    "rotate", dict(call.params), call, mode,
                                    target=_target_name(node)))
             continue

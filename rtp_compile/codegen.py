@@ -39,6 +39,20 @@ class _TaggingTracer(fx.proxy.GraphAppendingTracer):
         return node
 
 
+def _install(root: nn.Module, target: str, value: torch.Tensor) -> None:
+    """Register a parameter or buffer at a dotted path, creating empty parent modules."""
+    *path, leaf = target.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if isinstance(value, nn.Parameter):
+        module.register_parameter(leaf, value)
+    else:
+        module.register_buffer(leaf, value)
+
+
 def _attr(module, target):
     obj = module
     for part in target.split("."):
@@ -76,9 +90,13 @@ class RankEmitter:
             else:
                 env[node] = self.graph.node_copy(node, lambda a: env[a])
                 self._own_attr(env[node])
-        for name, buffer in self.src.named_buffers():  # unread buffers still belong to the state
-            self.root.setdefault(name, buffer.detach().clone().to(self.device or buffer.device))
         gm = fx.GraphModule(self.root, self.graph, class_name=f"RTPRank{self.rank}")
+        for name in self.plan.params:  # parameters no op reads are still this rank's to keep
+            if name not in self.root:
+                _install(gm, name, self._shard(name))
+        for name, buffer in self.src.named_buffers():  # unread buffers still belong to the state
+            if name not in self.root:
+                _install(gm, name, buffer.detach().clone().to(self.device or buffer.device))
         for spec in ("_in_spec", "_out_spec"):
             if hasattr(self.src, spec):
                 setattr(gm, spec, getattr(self.src, spec))

@@ -50,17 +50,6 @@ def param_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def init_gpt2(model: nn.Module) -> nn.Module:
-    """Re-initialise weights as GPT-2 does (normal, std 0.02; zero biases); returns `model`."""
-    # TinyGPT keeps N(0, 1) embeddings, tied into the head: its first loss is ~40, not ln(vocab).
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-    return model
-
-
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, idx, targets,
                 track_memory: bool) -> tuple[float, float, int | None]:
     """One AdamW step; returns (loss, seconds, peak bytes or None when memory isn't tracked)."""
@@ -127,7 +116,7 @@ def run_demo(world_size: int = 2, steps: int = 60, seed: int = 0, log_every: int
     if steps < 1 or log_every < 1:
         raise ValueError(f"run_demo: steps and log_every must be >= 1, got {steps}, {log_every}")
     torch.manual_seed(seed)
-    model = init_gpt2(TinyGPT())
+    model = TinyGPT()
     ranks = rtp_compile.launch(_rank_job, world_size, args=(model, steps, seed, track_memory),
                                timeout=timeout)
     result = _summarise(model, world_size, steps, seed, log_every, ranks)

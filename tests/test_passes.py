@@ -1,0 +1,197 @@
+"""Each pass on small graphs, in one process: the invariant its docstring states."""
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+import rtp_compile
+from rtp_compile.capture import capture, canonicalise_parameter_reads
+from rtp_compile.op_rules import RULES, OpCall
+from rtp_compile.passes.lower_modules import lower_modules
+from rtp_compile.passes.match import match_op, parameter_reads
+from rtp_compile.passes.plan import ParamLayout
+from rtp_compile.passes.rotate import gathered_op, rotation_unit
+from rtp_compile.passes.split_norm_affine import split_norm_affine
+from zoo import build, tiny_gpt
+
+torch.set_default_dtype(torch.float64)
+
+
+@pytest.mark.parametrize("shape,dim", [((10, 6), 0), ((10, 6), 1), ((5,), 0), ((3, 1, 7), 2),
+                                       ((2, 3), None), ((), None)])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+def test_layout_shards_cover_the_tensor_once_with_zero_padding(shape, dim, world_size):
+    full = torch.randn(shape)
+    layout = ParamLayout("p", shape, full.dtype, world_size, dim)
+    shards = [layout.shard(full, s) for s in range(world_size)]
+    assert all(tuple(s.shape) == layout.shard_shape for s in shards)
+    assert torch.equal(layout.unshard(shards), full)
+    real = sum(layout.slot(s).valid for s in range(world_size))
+    assert real == layout.extent
+    padding = sum(s.numel() for s in shards) - full.numel()
+    assert sum(s.abs().sum() for s in shards) == pytest.approx(full.abs().sum().item())
+    assert padding >= 0
+
+
+def _plan(model, world_size=3, **kw):
+    return rtp_compile.transform(model, world_size, **kw).plan
+
+
+def test_tied_embedding_and_head_share_one_layout():
+    plan = _plan(tiny_gpt())
+    assert plan.params["wte.weight"].dim == 1
+    uses = {u.call.rule.name: u.mode for u in plan.units_of("wte.weight")}
+    assert uses == {"embedding": "col", "linear": "row"}
+    assert plan.params["wte.weight"].aliases == ("wte.weight", "lm_head.weight")
+
+
+def test_every_parameter_is_rotated_or_gathered_with_a_reason():
+    plan = _plan(build("norule", 0))
+    strategies = {n: plan.strategy(n) for n in plan.params}
+    assert strategies == {"mix": "gather", "batch_w": "gather", "scale": "gather",
+                          "cls": "gather", "proj.weight": "rotate", "proj.bias": "rotate"}
+    for unit in plan.units:
+        assert unit.kind == "rotate" or unit.reason.startswith("no shard rule for")
+    assert plan.params["mix"].dim is None  # gathered only: cut flat, evenly
+
+
+def test_unused_parameter_is_still_sharded():
+    class WithSpare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.spare = nn.Parameter(torch.randn(9))
+
+        def forward(self, x):
+            return self.fc(x)
+
+    prog = rtp_compile.transform(WithSpare(), 3)
+    assert prog.plan.strategy("spare") == "unused"
+    assert tuple(prog.module(0).get_parameter("spare").shape) == (3,)
+    assert "unused parameters" in prog.report()
+
+
+def test_lower_modules_and_split_norms_keep_the_computation():
+    class Norms(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
+            self.bn = nn.BatchNorm2d(4)
+            self.gn = nn.GroupNorm(2, 4)
+            self.ln = nn.LayerNorm([4, 5, 5])
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(self.ln(self.gn(self.bn(self.conv(x)))))
+
+    model = Norms()
+    gm = capture(model).gm
+    lower_modules(gm)
+    split_norm_affine(gm)
+    assert not any(n.op == "call_module" for n in gm.graph.nodes)
+    x = torch.randn(2, 3, 5, 5)
+    model.eval(), gm.eval()  # eval: dropout off, running statistics used
+    assert torch.allclose(gm(x), model(x), atol=1e-12)
+    model.train(), gm.train()
+    torch.manual_seed(0)
+    y = gm(x)
+    torch.manual_seed(0)
+    assert torch.allclose(y, model(x), atol=1e-12)
+    assert torch.equal(gm.bn.running_mean, model.bn.running_mean)
+
+
+def test_adapters_agree_across_capture_levels():
+    model = build("mlp", 0)
+    x = torch.randn(2, 7)
+    for level, example in (("function", None), ("aten", (x,))):
+        captured = capture(model, example)
+        gm = captured.gm
+        if level == "function":
+            lower_modules(gm)
+            canonicalise_parameter_reads(gm, captured.aliases)
+        split_norm_affine(gm)
+        reads = parameter_reads(gm)
+        calls = [match_op(n, gm, reads) for n in gm.graph.nodes]
+        seen = sorted((c.rule.name, tuple(sorted(c.params.values()))) for c in calls if c)
+        assert seen == sorted([
+            ("linear", ("fc1.bias", "fc1.weight")), ("elementwise", ("norm.bias", "norm.weight")),
+            ("linear", ("fc2.weight",)), ("elementwise", ("rms.weight",)),
+            ("linear", ("head.bias", "head.weight"))]), level
+
+
+def test_after_rotate_only_units_read_parameters():
+    for name in ("gpt", "norule", "shared", "conv"):
+        prog = rtp_compile.transform(build(name, 0), 2)
+        params = set(prog.plan.params)
+        for node in prog.graph.nodes:
+            if node.op == "get_attr" and node.target in params:
+                assert all(u.target in (rotation_unit, gathered_op) for u in node.users), node
+
+
+RULE_CASES = [
+    # rule, options, params {role: shape}, input shape, op computing the full result
+    ("linear", {"transposed": False}, {"weight": (10, 6), "bias": (10,)}, (2, 3, 6),
+     lambda x, p: torch.nn.functional.linear(x, p["weight"], p["bias"])),
+    ("linear", {"transposed": True}, {"weight": (6, 10)}, (4, 6),
+     lambda x, p: x @ p["weight"]),
+    ("conv", {"stride": [2, 1], "padding": [1, 0], "dilation": [1, 2], "transposed": False,
+              "output_padding": [0, 0]}, {"weight": (5, 3, 3, 2), "bias": (5,)}, (2, 3, 7, 6),
+     lambda x, p: torch.conv2d(x, p["weight"], p["bias"], [2, 1], [1, 0], [1, 2])),
+    ("conv", {"stride": [2], "padding": [1], "dilation": [1], "transposed": True,
+              "output_padding": [1]}, {"weight": (3, 5, 3), "bias": (5,)}, (2, 3, 6),
+     lambda x, p: torch.conv_transpose1d(x, p["weight"], p["bias"], 2, 1, 1)),
+    ("embedding", {"padding_idx": 2, "scale_grad_by_freq": True}, {"weight": (9, 7)}, (3, 5),
+     lambda x, p: torch.nn.functional.embedding(x, p["weight"], 2, scale_grad_by_freq=True)),
+    ("elementwise", {"dim": -1}, {"weight": (3, 7), "bias": (3, 7)}, (2, 3, 7),
+     lambda x, p: x * p["weight"] + p["bias"]),
+    ("elementwise", {"dim": 1}, {"weight": (5,), "bias": (5,)}, (2, 5, 3, 3),
+     lambda x, p: x * p["weight"].view(5, 1, 1) + p["bias"].view(5, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_rule_steps_reassemble_the_op_and_its_gradients(case, world_size):
+    """All N steps of one rank, shards taken locally: outputs combine to the full op; the step
+    backwards add up to autograd's gradients. Every mode of the rule, every rank's step order."""
+    rule_name, options, shapes, x_shape, full_op = case
+    rule = RULES[rule_name]
+    params = {r: torch.randn(s, requires_grad=True) for r, s in shapes.items()}
+    x = torch.randint(0, 9, x_shape) if rule_name == "embedding" else \
+        torch.randn(x_shape, requires_grad=True)
+    y = full_op(x, params)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [*params.values()] + ([x] if x.is_floating_point() else []), dy)
+    for mode, dims in rule.modes(shapes, options).items():
+        layouts = {r: ParamLayout(r, shapes[r], torch.float64, world_size, dims[r])
+                   for r in shapes}
+        shards = {r: [lay.shard(params[r].detach(), s) for s in range(world_size)]
+                  for r, lay in layouts.items()}
+        parts = {}
+        for s in range(world_size):
+            slots = {r: lay.slot(s) for r, lay in layouts.items()}
+            part = rule.forward_step(mode, options, x.detach(), {r: shards[r][s] for r in shapes},
+                                     slots, shapes)
+            if part is not None:
+                parts[s] = part
+        combine = rule.combine(mode, options, shapes)
+        out = torch.cat([parts[s] for s in sorted(parts)], combine.dim) if combine.how == "cat" \
+            else sum(parts[s] for s in sorted(parts))
+        assert torch.allclose(out, y, atol=1e-12), mode
+        dx = torch.zeros_like(x) if x.is_floating_point() else None
+        acc = {r: [torch.zeros(lay.shard_shape) for _ in range(world_size)]
+               for r, lay in layouts.items()}
+        for s in range(world_size):
+            slots = {r: lay.slot(s) for r, lay in layouts.items()}
+            here = {r: shards[r][s] for r in shapes}
+            if dx is not None:
+                rule.input_grad(mode, options, dy, x.detach(), here, slots, shapes, dx)
+            into = {r: acc[r][s].narrow(layouts[r].dim, 0, slots[r].valid) for r in shapes}
+            rule.weight_grads(mode, options, dy, x.detach(), here, slots, shapes, into)
+        for (r, lay), g in zip(layouts.items(), grads):
+            assert torch.allclose(lay.unshard(acc[r]), g, atol=1e-12), (mode, r)
+        if dx is not None:
+            assert torch.allclose(dx, grads[-1], atol=1e-12), mode
