@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -128,26 +129,24 @@ def _unit_name(base: str, taken: set[str]) -> str:
     return candidate
 
 
-def parameter_only_nodes(gm: fx.GraphModule, reads: dict[fx.Node, str]) -> set[fx.Node]:
-    """Parameter reads and the nodes computed from parameters and constants alone (w.t(), w*2)."""
+def parameter_only_nodes(gm: fx.GraphModule, reads: dict[fx.Node, str]) -> nx.DiGraph:
+    """Parameter reads and the nodes computed from parameters and constants alone (w.t(), w*2),
+    as a dependency graph (edge: input -> user)."""
     constant = {n for n in gm.graph.nodes if n.op == "get_attr"}
-    only = set(reads)
+    only = nx.DiGraph()
+    only.add_nodes_from(reads)
     for node in gm.graph.nodes:
         inputs = node.all_input_nodes
         if node.op in ("call_function", "call_method") and inputs and \
                 all(i in only or i in constant for i in inputs) and any(i in only for i in inputs):
-            only.add(node)
+            only.add_edges_from((i, node) for i in inputs if i in only)
     return only
 
 
-def consumer_closure(node: fx.Node, param_only: set[fx.Node]) -> list[fx.Node]:
+def consumer_closure(node: fx.Node, param_only: nx.DiGraph) -> list[fx.Node]:
     """The parameter-only nodes `node` reads, transitively, in graph order."""
-    seen, stack = set(), [i for i in node.all_input_nodes if i in param_only]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(i for i in n.all_input_nodes if i in param_only)
+    direct = [i for i in node.all_input_nodes if i in param_only]
+    seen = set(direct).union(*(nx.ancestors(param_only, d) for d in direct))
     return [n for n in node.graph.nodes if n in seen]
 
 

@@ -58,6 +58,8 @@ def parity(rank: int, world_size: int, names: list[str], seed: int, steps: int =
             example = (batch(name, seed, rank, 0),) if capture == "export" else None
             prog = rtp_compile.transform(model, world_size, example_inputs=example)
             gm = prog.module(rank)
+            for pname, layout in prog.plan.params.items():  # no parameter is a full replica
+                assert tuple(gm.get_parameter(pname).shape) == layout.shard_shape, pname
             reference = copy.deepcopy(model)
             ddp = DDP(copy.deepcopy(model))
             # eps=1e-6: gradients that are zero in exact arithmetic (attention's key bias) are
@@ -66,12 +68,14 @@ def parity(rank: int, world_size: int, names: list[str], seed: int, steps: int =
             opt = torch.optim.AdamW(gm.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
             ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
             errors = {"output": 0.0, "grad": 0.0, "param": 0.0}
+            losses = []  # an ordinary loop keeps its losses (and their graphs) for logging
             for step in range(steps):
                 x = batch(name, seed, rank, step)
                 out = gm(x)
                 if step == 0:
                     errors["output"] = rel_err(out, reference(x))
-                loss_of(out, seed + step).backward()
+                losses.append(loss_of(out, seed + step))
+                losses[-1].backward()
                 loss_of(ddp(x), seed + step).backward()
                 if step == 0:
                     errors["grad"] = grad_errors(gathered_grads(prog, gm), {

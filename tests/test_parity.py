@@ -8,7 +8,7 @@ import pytest
 import rtp_compile
 from jobs import parity
 
-MODELS = ["mlp", "gpt", "conv", "norule", "shared"]
+MODELS = ["mlp", "gpt", "conv", "norule", "shared", "tiedbias"]
 TOL = 1e-9
 
 

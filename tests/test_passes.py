@@ -195,3 +195,20 @@ def test_rule_steps_reassemble_the_op_and_its_gradients(case, world_size):
             assert torch.allclose(lay.unshard(acc[r]), g, atol=1e-12), (mode, r)
         if dx is not None:
             assert torch.allclose(dx, grads[-1], atol=1e-12), mode
+
+
+def test_tied_output_layer_with_bias_is_row_split():
+    plan = _plan(build("tiedbias", 0))
+    (out,) = [u for u in plan.units if u.params.get("bias") == "out.bias"]
+    assert out.mode == "row" and plan.params["emb.weight"].dim == 1
+
+
+def test_ring_ops_have_fake_implementations():
+    """Graphs with ring ops trace under FakeTensorMode without any communication."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import rtp_compile.runtime.ring  # noqa: F401
+    with FakeTensorMode():
+        w = torch.empty(3, 4)
+        (received,) = torch.ops.rtp.ring_shift_start([w], "", 1, 0, "fake")
+        torch.ops.rtp.ring_wait([received])
+    assert received.shape == (3, 4)

@@ -76,6 +76,21 @@ class SharedLayer(nn.Module):
         return h @ self.back                          # matmul by a parameter stored [in, out]
 
 
+class TiedHeadWithBias(nn.Module):
+    """An embedding tied to an output layer that has a bias: the layer is row-split (its weight
+    is cut along in-features to match the embedding), the bias added once, in its slot."""
+
+    def __init__(self, vocab=11, d=7):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mid = nn.Linear(d, d)
+        self.out = nn.Linear(d, vocab)
+        self.out.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.out(torch.tanh(self.mid(self.emb(idx))))
+
+
 def tiny_gpt():
     return TinyGPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10))
 
@@ -91,6 +106,7 @@ ZOO = {
     "conv": (ConvNet, lambda g: torch.randn(2, 3, 9, 9, generator=g, dtype=torch.float64)),
     "norule": (NoRuleOps, lambda g: torch.randn(2, 4, 6, generator=g, dtype=torch.float64)),
     "shared": (SharedLayer, lambda g: torch.randn(3, 9, generator=g, dtype=torch.float64)),
+    "tiedbias": (TiedHeadWithBias, lambda g: torch.randint(0, 11, (3, 5), generator=g)),
 }
 
 
