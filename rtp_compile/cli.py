@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
         args.run(args)
     except UsageError as exc:
         parser.exit(2, f"rtp-compile {args.command}: error: {exc}\n")
+    except BrokenPipeError:  # `rtp-compile inspect ... | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
@@ -76,8 +78,8 @@ def _run_inspect(args: argparse.Namespace) -> None:
     print()
     print(prog.report())
     print()
-    print(f"# generated code of rank {args.rank} of {args.world_size}")
-    print(prog.module(args.rank).code)
+    print(f"# module of rank {args.rank} of {args.world_size}: its units, then its code")
+    print(prog.module(args.rank))
 
 
 def load_model(target: str) -> nn.Module:

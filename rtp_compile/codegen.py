@@ -16,9 +16,9 @@ import torch.fx as fx
 from torch import nn
 
 from rtp_compile.runtime import ring  # noqa: F401  (registers torch.ops.rtp.*)
-from rtp_compile.runtime.ring import expect_rank
+from rtp_compile.runtime.ring import JobCheck
 from rtp_compile.runtime.units import GatherUnit, RotationUnit
-from rtp_compile.passes.plan import Plan, Unit
+from rtp_compile.passes.plan import Plan
 from rtp_compile.passes.rotate import gathered_op, rotation_unit
 from rtp_compile.passes.schedule import forward_schedule, forward_shard
 
@@ -60,6 +60,14 @@ def _attr(module, target):
     return obj
 
 
+def job_of(gm: nn.Module) -> JobCheck:
+    """The world size, rank and group name an emitted module was built for."""
+    job = getattr(gm, "rtp_job", None)
+    if not isinstance(job, JobCheck):
+        raise ValueError("rtp_compile: this module was not emitted by RTPProgram.module(rank)")
+    return job
+
+
 class RankEmitter:
     """Builds the GraphModule of one rank from the shared program."""
 
@@ -81,7 +89,8 @@ class RankEmitter:
         checked = False
         for node in self.src.graph.nodes:
             if node.op != "placeholder" and not checked:
-                self.graph.call_function(expect_rank, (self.n, self.rank, self.group_name))
+                self.root["rtp_job"] = JobCheck(self.n, self.rank, self.group_name)
+                self.graph.call_module("rtp_job")
                 checked = True
             if node.op == "call_function" and node.target is rotation_unit:
                 env[node] = self._rotation(node, env)
@@ -122,27 +131,20 @@ class RankEmitter:
             shard = shard.to(self.device)
         return nn.Parameter(shard, requires_grad=full.requires_grad)
 
-    def _read_params(self, unit: Unit, env, args) -> list[fx.Node]:
-        nodes = [env[a] for a in args]
-        for n in nodes:
-            self._own_attr(n)
-        return nodes
-
     # -- units -------------------------------------------------------------------------------
     def _rotation(self, node: fx.Node, env) -> fx.Node:
         name, x, *param_args = node.args
         unit = self.units[name]
-        x_node = env[x] if isinstance(x, fx.Node) else x
-        params = self._read_params(unit, env, param_args)
+        x_node, params = env[x], [env[a] for a in param_args]
         layouts = [self.plan.params[p] for p in unit.params.values()]
         roles = list(unit.params)
         shapes = {r: lay.shape for r, lay in zip(roles, layouts)}
-        g, tag = self.graph, self.tags[name]
-
+        tag = self.tags[name]
+        # the steps compute on detached tensors; the unit module below wires up autograd
         self.tracer.tag = {"unit": name, "step": 0, "action": "detach"}
-        x_d = self.tracer.create_node("call_method", "detach", (x_node,), {}) \
-            if isinstance(x_node, fx.Node) else x_node
-        own = [self.tracer.create_node("call_method", "detach", (p,), {}) for p in params]
+        x_d = self.tracer.create_node("call_method", "detach", (x_node,), {}, name=f"{name}_in")
+        own = [self.tracer.create_node("call_method", "detach", (p,), {}, name=f"{name}_{r}0")
+               for p, r in zip(params, roles)]
         held, received, outputs = own, None, {}
         for event in forward_schedule(self.n):
             k = event.step
@@ -183,7 +185,7 @@ class RankEmitter:
         self.root[f"rtp_units.{name}"] = RotationUnit(
             name, unit.call, unit.mode, layouts, self.rank, self.n, self.group_name, tag,
             self.grad_scale)
-        out = g.call_module(f"rtp_units.{name}", (y, x_node, *params))
+        out = self.graph.call_module(f"rtp_units.{name}", (y, x_node, *params))
         out.meta.update(node.meta)
         return out
 
@@ -192,7 +194,7 @@ class RankEmitter:
         unit = self.units[name]
         n_params = len(unit.params)
         inputs = [env[a] if isinstance(a, fx.Node) else a for a in rest[:len(rest) - n_params]]
-        params = self._read_params(unit, env, rest[len(rest) - n_params:])
+        params = [env[a] for a in rest[len(rest) - n_params:]]
         layouts = [self.plan.params[p] for p in unit.params.values()]
         self.root[f"rtp_units.{name}"] = GatherUnit(
             name, self.bodies[name], list(unit.params.values()), layouts, self.rank, self.n,

@@ -7,7 +7,7 @@ import torch.fx as fx
 from torch import nn
 
 from rtp_compile.capture import Captured
-from rtp_compile.codegen import RankEmitter
+from rtp_compile.codegen import RankEmitter, job_of
 from rtp_compile.runtime.ring import resolve_group
 from rtp_compile.passes.plan import Plan
 
@@ -43,7 +43,6 @@ class RTPProgram:
         emitter = RankEmitter(self.graph_module, self.plan, self._bodies, self._captured.params,
                               rank, group_name, scale, device)
         gm = emitter.emit()
-        gm.rtp_rank, gm.rtp_group = rank, group
         return gm
 
     def report(self) -> str:
@@ -68,12 +67,9 @@ class RTPProgram:
         return f"{self.report()}\n\n{self.plan}"
 
     # -- full state ----------------------------------------------------------------------
-    def _group_of(self, gm):
-        return getattr(gm, "rtp_group", None)
-
     def full_state_dict(self, gm: nn.Module) -> dict[str, torch.Tensor]:
         """Collective: the model's state_dict (every name, full shapes, padding removed)."""
-        group = self._group_of(gm)
+        group = job_of(gm).group_name
         shards = {name: gm.get_parameter(name).detach() for name in self.plan.params}
         full = {}
         for name, layout in self.plan.params.items():
@@ -85,17 +81,16 @@ class RTPProgram:
             full[name] = gm.get_buffer(name).detach().clone()
         return {k: full[k] for k in self._captured.state_keys if k in full}
 
-    def _all_gather(self, shard: torch.Tensor, group) -> list[torch.Tensor]:
+    def _all_gather(self, shard: torch.Tensor, group_name: str) -> list[torch.Tensor]:
         if self.world_size == 1:
             return [shard.clone()]
-        resolve_group("" if group is None else group.group_name)
         out = [torch.empty_like(shard) for _ in range(self.world_size)]
-        dist.all_gather(out, shard.contiguous(), group=group)
+        dist.all_gather(out, shard.contiguous(), group=resolve_group(group_name))
         return out
 
     def load_full_state_dict(self, gm: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         """Take a full state_dict (as from full_state_dict or the unsharded model) into the shards."""
-        rank = gm.rtp_rank
+        rank = job_of(gm).rank
         missing = [k for k in self._captured.state_keys if k not in state_dict]
         if missing:
             raise KeyError(f"rtp_compile: load_full_state_dict is missing {missing[:5]}"

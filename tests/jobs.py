@@ -215,9 +215,14 @@ def state_dict_roundtrip(rank: int, world_size: int, seed: int) -> dict:
     prog.load_full_state_dict(gm, other.state_dict())
     loaded = prog.full_state_dict(gm)
     x = batch("gpt", seed, rank, 0)
+    import pickle
+    copies = [copy.deepcopy(gm), pickle.loads(pickle.dumps(gm))]  # e.g. an EMA copy, torch.save
     return {"same_keys": same_keys, "exact": exact,
             "loaded": all(torch.equal(loaded[k], v) for k, v in other.state_dict().items()),
-            "output": rel_err(gm(x), other(x))}
+            "output": rel_err(gm(x), other(x)),
+            "copies": max(rel_err(c(x), other(x)) for c in copies),
+            "copies_state": all(torch.equal(prog.full_state_dict(c)[k], v)
+                                for c in copies for k, v in other.state_dict().items())}
 
 
 def subgroup_programs(rank: int, world_size: int, seed: int) -> dict:

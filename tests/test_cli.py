@@ -64,7 +64,7 @@ def test_inspect_prints_plan_report_and_rank_code():
     assert "bytes/rank" in out and "blocks.0.attn.qkv.weight" in out  # the plan
     assert "rtp_compile program for 2 ranks" in out and "rotated" in out  # the report
     assert "def forward" in out and "ring_shift_start" in out  # rank 1's code
-    assert "expect_rank(2, 1," in out
+    assert "JobCheck(rank 1 of 2" in out
 
 
 @pytest.mark.timeout(300)

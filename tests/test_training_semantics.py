@@ -26,8 +26,8 @@ def test_gradients_accumulate_across_backward_calls_like_ddp(reduction, seed):
 @pytest.mark.timeout(300)
 def test_full_state_dict_roundtrip(seed):
     for r in rtp_compile.launch(state_dict_roundtrip, 3, args=(seed,), timeout=120):
-        assert r["same_keys"] and r["exact"] and r["loaded"]
-        assert r["output"] <= TOL
+        assert r["same_keys"] and r["exact"] and r["loaded"] and r["copies_state"]
+        assert r["output"] <= TOL and r["copies"] <= TOL
 
 
 @pytest.mark.timeout(300)

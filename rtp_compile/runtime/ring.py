@@ -109,18 +109,29 @@ def _(received):
     return None
 
 
-def expect_rank(world_size: int, rank: int, group_name: str) -> None:
-    """First op of every rank's module: the job must match the program before any communication."""
-    if world_size == 1 and not (dist.is_available() and dist.is_initialized()):
-        return  # a one-rank program needs no process group
-    group = resolve_group(group_name)
-    size, actual = dist.get_world_size(group), dist.get_rank(group)
-    if size != world_size:
-        raise RuntimeError(
-            f"rtp_compile: this module was compiled for world_size={world_size} but the process "
-            f"group has {size} ranks. Transform with world_size={size}, or run in a job of "
-            f"{world_size} processes.")
-    if actual != rank:
-        raise RuntimeError(
-            f"rtp_compile: this is the module of rank {rank}, but it runs on rank {actual} of the "
-            f"process group. Use prog.module(torch.distributed.get_rank()) on every rank.")
+class JobCheck(torch.nn.Module):
+    """First op of every rank's module: the job must match the program before any
+    communication. Also where the module's world size, rank and group name are kept."""
+
+    def __init__(self, world_size: int, rank: int, group_name: str):
+        super().__init__()
+        self.world_size, self.rank, self.group_name = world_size, rank, group_name
+
+    def extra_repr(self) -> str:
+        return f"rank {self.rank} of {self.world_size}, group {self.group_name or 'WORLD'!r}"
+
+    def forward(self) -> None:
+        if self.world_size == 1 and not (dist.is_available() and dist.is_initialized()):
+            return  # a one-rank program needs no process group
+        group = resolve_group(self.group_name)
+        size, actual = dist.get_world_size(group), dist.get_rank(group)
+        if size != self.world_size:
+            raise RuntimeError(
+                f"rtp_compile: this module was compiled for world_size={self.world_size} but the "
+                f"process group has {size} ranks. Transform with world_size={size}, or run in a "
+                f"job of {self.world_size} processes.")
+        if actual != self.rank:
+            raise RuntimeError(
+                f"rtp_compile: this is the module of rank {self.rank}, but it runs on rank "
+                f"{actual} of the process group. Use prog.module(torch.distributed.get_rank()) "
+                "on every rank.")

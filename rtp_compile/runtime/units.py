@@ -107,8 +107,8 @@ class RotationUnit(nn.Module):
             shards = dict(zip(self.roles, own if j == n - 1 else held))  # last step: own shard
             args = (self.mode, self.options, dy, x, shards, slots, self.shapes)
             if action == "fetch_start":
-                incoming = ring.shift_start(own if j == 0 else held, self.group_name, -1,
-                                            self.tag + 1, f"{where}: weight hop {j}")
+                incoming = ring.shift_start(held, self.group_name, -1, self.tag + 1,
+                                            f"{where}: weight hop {j}")
             elif action == "fetch_wait":
                 ring.wait(incoming)
                 held = incoming
