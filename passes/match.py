@@ -18,6 +18,10 @@ from rtp_compile.op_rules import RULES, OpCall, affine
 aten = torch.ops.aten
 
 
+class Unshardable(Exception):
+    """An adapter's reason why a node it knows cannot be sharded by its rule."""
+
+
 def parameter_reads(gm: fx.GraphModule) -> dict[fx.Node, str]:
     """get_attr nodes that read a parameter -> the parameter's name."""
     params = dict(gm.named_parameters(remove_duplicate=False))
@@ -82,8 +86,10 @@ def _linear_adapter(node, gm, reads):
 
 def _addmm_adapter(node, gm, reads):
     k = _kwargs(node, gm)
-    if not k or k.get("beta", 1) != 1 or k.get("alpha", 1) != 1:
+    if not k:
         return None
+    if k.get("beta", 1) != 1 or k.get("alpha", 1) != 1:
+        raise Unshardable("addmm with beta or alpha other than 1")
     return _linear(k["mat1"], k["mat2"], k["input"], reads, transposed_storage=True)
 
 
@@ -98,8 +104,11 @@ def _pair(v, n):
 
 def _conv(node, gm, reads, transposed, n):
     k = _kwargs(node, gm, CONV_TRANSPOSE_ARGS if transposed else CONV_ARGS)
-    if not k or k.get("groups", 1) != 1:
+    if not k:
         return None
+    if k.get("groups", 1) != 1:
+        raise Unshardable(f"the conv rule shards groups=1 only, this conv has "
+                          f"groups={k['groups']}")
     weight, bias, x = k["weight"], k.get("bias"), k["input"]
     if weight not in reads or not _is_activation(x, reads) or (bias is not None and bias not in reads):
         return None
@@ -114,7 +123,7 @@ def _conv(node, gm, reads, transposed, n):
         elif padding == "same" and all(t % 2 == 0 for t in total):
             padding = [t // 2 for t in total]
         else:
-            return None  # asymmetric "same" padding: gathered
+            raise Unshardable(f"padding={padding!r} pads unevenly for this kernel")
     options = {"stride": stride, "padding": _pair(padding, n), "dilation": dilation,
                "transposed": transposed,
                "output_padding": _pair(k.get("output_padding", 0), n)}
@@ -141,16 +150,21 @@ def _embedding(idx, weight, padding_idx, scale_grad_by_freq, reads, gm):
 
 def _embedding_adapter(node, gm, reads):
     k = _kwargs(node, gm)
-    if not k or k.get("max_norm") is not None or k.get("sparse"):
-        return None  # renorm writes the weight; sparse grads: gathered
+    if not k:
+        return None
+    if k.get("max_norm") is not None or k.get("sparse"):
+        raise Unshardable("embedding with max_norm (renormalises whole rows in place) or "
+                          "sparse gradients")
     return _embedding(k["input"], k["weight"], k.get("padding_idx"), k.get("scale_grad_by_freq"),
                       reads, gm)
 
 
 def _aten_embedding_adapter(node, gm, reads):
     k = _kwargs(node, gm)
-    if not k or k.get("sparse"):
+    if not k:
         return None
+    if k.get("sparse"):
+        raise Unshardable("embedding with sparse gradients")
     padding_idx = k.get("padding_idx", -1)
     return _embedding(k["indices"], k["weight"], None if padding_idx == -1 else padding_idx,
                       k.get("scale_grad_by_freq"), reads, gm)
@@ -220,13 +234,34 @@ if hasattr(torch._C._nn, "linear"):
     ADAPTERS[torch._C._nn.linear] = _linear_adapter
 
 
+def _match(node: fx.Node, gm: fx.GraphModule, reads) -> tuple[OpCall | None, str]:
+    target = getattr(node.target, "__name__", str(node.target))
+    adapter = ADAPTERS.get(node.target) if node.op == "call_function" else None
+    if node.op == "call_module":
+        kind = type(gm.get_submodule(node.target)).__name__
+        return None, (f"{kind} is called as one module (torch.fx keeps torch.nn modules whole); "
+                      "pass example_inputs so torch.export captures the ops inside it")
+    if adapter is None:
+        return None, f"no shard rule for {target}"
+    try:
+        call = adapter(node, gm, reads)
+    except Unshardable as why:
+        return None, str(why)
+    except (TypeError, ValueError, KeyError, RuntimeError) as err:
+        # arguments the adapter does not understand: gathered, never guessed
+        return None, f"arguments of {target} its adapter does not understand ({err})"
+    if call is None:
+        return None, f"{target} reads parameters where its rule expects activations (or " \
+                     "through ops it cannot see through)"
+    call.input = call.input.name  # plans outlive graph rewrites: refer to nodes by name
+    return call, ""
+
+
 def match_op(node: fx.Node, gm: fx.GraphModule, reads: dict[fx.Node, str]) -> OpCall | None:
     """The rule view of `node`, or None when it has no rule that can shard its parameters."""
-    adapter = ADAPTERS.get(node.target) if node.op == "call_function" else None
-    try:
-        call = adapter(node, gm, reads) if adapter else None
-    except (TypeError, ValueError, KeyError, RuntimeError):
-        return None  # arguments the adapter does not understand: gathered, never guessed
-    if call is not None:
-        call.input = call.input.name  # plans outlive graph rewrites: refer to nodes by name
-    return call
+    return _match(node, gm, reads)[0]
+
+
+def why_not_sharded(node: fx.Node, gm: fx.GraphModule, reads: dict[fx.Node, str]) -> str:
+    """Why `match_op` gave None for `node`, for the report."""
+    return _match(node, gm, reads)[1]

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from rtp_compile.op_rules import OpCall, Slot
-from rtp_compile.passes.match import match_op, parameter_reads
+from rtp_compile.passes.match import match_op, parameter_reads, why_not_sharded
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ def plan_sharding(gm: fx.GraphModule, world_size: int, params: dict[str, torch.T
         elif match_op(node, gm, reads) is not None:
             reason = "it reads parameters through ops the rule cannot shard"
         else:
-            reason = f"no shard rule for {_target_name(node)}"
+            reason = why_not_sharded(node, gm, reads)
         plan.units.append(Unit(_unit_name(f"{node.name}_gather", taken), node.name, "gather",
                                {f"param{i}": p for i, p in enumerate(names)}, None, None, reason,
                                _target_name(node)))

@@ -7,6 +7,7 @@ from torch import nn
 from rtp_compile.capture import CaptureError, canonicalise_parameter_reads, capture
 from rtp_compile.program import RTPProgram
 from rtp_compile.runtime.launch import RankError, launch
+from rtp_compile.passes.fold_parameter_metadata import fold_parameter_metadata
 from rtp_compile.passes.lower_modules import lower_modules
 from rtp_compile.passes.plan import plan_sharding
 from rtp_compile.passes.rotate import rotate
@@ -33,6 +34,7 @@ def transform(model: nn.Module, world_size: int, example_inputs=None, *, example
     if captured.level == "function":
         lower_modules(gm)
         canonicalise_parameter_reads(gm, captured.aliases)  # lowered modules read tied aliases
+        fold_parameter_metadata(gm)
     split_norm_affine(gm)
     plan = plan_sharding(gm, world_size, captured.params, captured.aliases)
     gm, bodies = rotate(gm, plan)

@@ -53,9 +53,46 @@ def test_every_parameter_is_rotated_or_gathered_with_a_reason():
     strategies = {n: plan.strategy(n) for n in plan.params}
     assert strategies == {"mix": "gather", "batch_w": "gather", "scale": "gather",
                           "cls": "gather", "proj.weight": "rotate", "proj.bias": "rotate"}
-    for unit in plan.units:
-        assert unit.kind == "rotate" or unit.reason.startswith("no shard rule for")
+    reasons = {u.target: u.reason for u in plan.units if u.kind == "gather"}
+    assert reasons["einsum"] == "no shard rule for einsum"
+    assert reasons["expand"] == "no shard rule for expand"  # batch_w and cls, expanded by B
+    assert "reads parameters where its rule expects activations" in reasons["mul"]
     assert plan.params["mix"].dim is None  # gathered only: cut flat, evenly
+
+
+def test_gather_reasons_say_what_to_do():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.grouped = nn.Conv2d(4, 4, 3, groups=2)
+            self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+
+        def forward(self, x):
+            h = self.grouped(x).flatten(2).transpose(1, 2)
+            return self.attn(h, h, h)[0]
+
+    reasons = [u.reason for u in _plan(Odd()).units]
+    assert "groups=2" in reasons[0]
+    assert "MultiheadAttention is called as one module" in reasons[1]
+    assert "example_inputs" in reasons[1]
+
+
+def test_parameter_metadata_reads_need_no_gather():
+    class ShapeUser(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 6)
+
+        def forward(self, x):
+            return self.fc(x) * self.fc.weight.shape[0] + self.fc.weight.size(1) + \
+                self.fc.weight.dim()
+
+    model = ShapeUser()
+    prog = rtp_compile.transform(model, 2)
+    assert [u.kind for u in prog.plan.units] == ["rotate"]
+    x = torch.randn(3, 4)
+    one = rtp_compile.transform(model, 1).module(0)
+    assert torch.allclose(one(x), model(x))
 
 
 def test_unused_parameter_is_still_sharded():
