@@ -8,6 +8,8 @@ fully qualified name; tied aliases are listed so state dicts can restore every n
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -47,49 +49,103 @@ def parameter_names(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str
 
 
 def capture(model: nn.Module, example_inputs=None, example_kwargs=None) -> Captured:
-    """Capture `model` by fx (no example inputs) or torch.export (with them)."""
+    """Capture `model`: torch.export with example inputs (or the `dummy_inputs` a transformers
+    model carries), torch.fx.symbolic_trace without."""
     params, aliases = parameter_names(model)
     if example_inputs is None and example_kwargs is None:
-        gm, level = _trace_fx(model), "function"
+        dummy = _fitting_dummy_inputs(model)
+        if dummy:
+            gm, level = _export(model, None, dummy, "its dummy_inputs"), "aten"
+        else:
+            gm, level = _trace_fx(model), "function"
     else:
-        gm, level = _export(model, example_inputs, example_kwargs), "aten"
+        gm, level = _export(model, example_inputs, example_kwargs, "the given example inputs"), \
+            "aten"
     canonicalise_parameter_reads(gm, aliases)
     return Captured(gm, level, params, aliases, list(model.state_dict().keys()))
+
+
+def _named_inputs(model: nn.Module) -> list[str]:
+    """The forward's parameters that can be passed by name (not *args / **kwargs)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in inspect.signature(model.forward).parameters.values()
+            if p.kind in kinds]
+
+
+def _fitting_dummy_inputs(model: nn.Module) -> dict | None:
+    """A transformers model's `dummy_inputs`, when forward names every one of them (some models
+    inherit text dummies they cannot take, e.g. input_ids for a vision model)."""
+    dummy = getattr(model, "dummy_inputs", None)
+    if isinstance(dummy, dict) and dummy and set(dummy) <= set(_named_inputs(model)):
+        return dummy
+    return None
 
 
 def _trace_fx(model: nn.Module) -> fx.GraphModule:
     try:
         return fx.symbolic_trace(model)
     except Exception as err:
+        inputs = ", ".join(_named_inputs(model)[:6])
         raise CaptureError(
             f"rtp_compile could not capture {type(model).__name__} with torch.fx.symbolic_trace "
             f"(the path used without example inputs): {type(err).__name__}: {err}\n"
-            "Pass example inputs so torch.export is used instead, e.g. "
-            "rtp_compile.transform(model, world_size, example_inputs=(x,))."
+            f"Pass example inputs so torch.export is used instead: {type(model).__name__}."
+            f"forward takes ({inputs}), e.g. rtp_compile.transform(model, world_size, "
+            f"example_kwargs={{'{_named_inputs(model)[0] if inputs else 'x'}': tensor}})."
         ) from err
 
 
-def _export(model: nn.Module, args, kwargs) -> fx.GraphModule:
-    from torch.export import Dim, export
+@contextlib.contextmanager
+def _without_kv_cache(model: nn.Module):
+    """transformers models return a KV cache (a generation-time structure training never reads,
+    and not a pytree export can flatten): switch it off in every sub-config while capturing."""
+    configs = {id(c): c for m in model.modules()
+               if hasattr(c := getattr(m, "config", None), "use_cache")}
+    saved = {key: c.use_cache for key, c in configs.items()}
+    for c in configs.values():
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for key, c in configs.items():
+            c.use_cache = saved[key]
 
-    args = tuple(args) if isinstance(args, (tuple, list)) else (args,) if args is not None else ()
-    kwargs = dict(kwargs or {})
+
+def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """Every dim of every tensor input free (Dim.AUTO: export keeps what the model allows),
+    keyed by the forward's parameter names."""
+    from torch.export import Dim
 
     def auto_dims(value):
         return {d: Dim.AUTO for d in range(value.dim())} if isinstance(value, torch.Tensor) else None
 
-    dynamic = torch.utils._pytree.tree_map(auto_dims, (args, kwargs),
-                                           is_leaf=lambda v: isinstance(v, torch.Tensor))
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    return {name: torch.utils._pytree.tree_map(auto_dims, value,
+                                               is_leaf=lambda v: isinstance(v, torch.Tensor))
+            for name, value in bound.items()}
+
+
+def _export(model: nn.Module, args, kwargs, source: str) -> fx.GraphModule:
+    from torch.export import export
+
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,) if args is not None else ()
+    kwargs = dict(kwargs or {})
     errors = []
-    for dynamic_shapes in (dynamic, None):  # sizes free where the model allows, else as given
+    with _without_kv_cache(model):
         try:
-            ep = export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
-            return ep.module()
-        except Exception as err:
-            errors.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+            dynamic = _dynamic_shapes(model, args, kwargs)
+        except TypeError as err:
+            raise CaptureError(f"rtp_compile: {source} do not fit "
+                               f"{type(model).__name__}.forward: {err}") from err
+        for dynamic_shapes in (dynamic, None):  # sizes free where the model allows, else fixed
+            try:
+                return export(model, args, kwargs, strict=False,
+                              dynamic_shapes=dynamic_shapes).module()
+            except Exception as err:
+                errors.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
     raise CaptureError(
         f"rtp_compile could not capture {type(model).__name__} with torch.export.export"
-        f"(strict=False) from the given example inputs (tried with dynamic sizes, then static): "
+        f"(strict=False) from {source} (tried with dynamic sizes, then static): "
         f"{errors[-1]}\nCheck that the example inputs are what the model's forward accepts; "
         "a model without data-dependent control flow can also be passed without example inputs "
         "(torch.fx.symbolic_trace)."

@@ -21,6 +21,18 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     return diff / scale if scale else diff
 
 
+LR = 1e-2
+
+
+def param_errors(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+                 names) -> float:
+    """Largest relative error over parameters after optimizer steps, each floored at the
+    learning rate: Adam moves an element by up to lr per step whatever its gradient, so a
+    parameter that stays ~0 in exact arithmetic (a zero-initialised key bias, whose gradient is
+    rounding noise) is compared at that scale."""
+    return max(rel_err(state[n], reference[n], LR) for n in names)
+
+
 def grad_errors(full: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
     """Largest relative error over all gradients, each floored at 1e-6 x the largest gradient."""
     floor = 1e-6 * max(g.abs().max().item() for g in reference.values() if g.numel())
@@ -65,8 +77,8 @@ def parity(rank: int, world_size: int, names: list[str], seed: int, steps: int =
             # eps=1e-6: gradients that are zero in exact arithmetic (attention's key bias) are
             # rounding noise (~1e-17) in both runs, and Adam's g/(|g|+eps) would amplify that
             # noise to ~1e-9 with the default eps; the gradients themselves are compared above.
-            opt = torch.optim.AdamW(gm.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
-            ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+            opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1, eps=1e-6)
+            ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1, eps=1e-6)
             errors = {"output": 0.0, "grad": 0.0, "param": 0.0}
             losses = []  # an ordinary loop keeps its losses (and their graphs) for logging
             for step in range(steps):
@@ -84,10 +96,9 @@ def parity(rank: int, world_size: int, names: list[str], seed: int, steps: int =
                 ddp_opt.step()
                 opt.zero_grad()
                 ddp_opt.zero_grad()
-                state = prog.full_state_dict(gm)
-                ddp_state = ddp.module.state_dict()
-                errors["param"] = max(errors["param"], max(
-                    rel_err(state[n], ddp_state[n]) for n, _ in model.named_parameters()))
+                errors["param"] = max(errors["param"], param_errors(
+                    prog.full_state_dict(gm), ddp.module.state_dict(),
+                    [n for n, _ in model.named_parameters()]))
             results[(name, capture)] = errors
     return results
 
@@ -261,3 +272,44 @@ def stall_one_rank(rank: int, world_size: int) -> None:
     if rank == 1:
         time.sleep(60)
     gm(batch("mlp", 0, rank, 0))
+
+
+def hf_parity(rank: int, world_size: int, names: list[str], seed: int, steps: int = 3) -> dict:
+    """parity() for transformers models and nn.TransformerEncoder, compiled as a new user
+    would: `transform(model, N)` with no example inputs where the model offers dummy_inputs.
+    Also reports the output type, so ModelOutputs are seen to come back as such."""
+    from hf_zoo import HF_ZOO, build_hf, hf_batch, logits_of
+    results = {}
+    for name in names:
+        model = build_hf(name, seed)
+        first = hf_batch(name, seed, rank, 0)
+        prog = rtp_compile.transform(model, world_size,
+                                     example_kwargs=first if HF_ZOO[name][3] else None)
+        gm = prog.module(rank)
+        reference = copy.deepcopy(model)
+        ddp = DDP(copy.deepcopy(model))
+        opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1, eps=1e-6)
+        ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1, eps=1e-6)
+        errors = {"output": 0.0, "grad": 0.0, "param": 0.0}
+        for step in range(steps):
+            inputs = hf_batch(name, seed, rank, step)
+            out = gm(**inputs)
+            if step == 0:
+                errors["output"] = rel_err(logits_of(out), logits_of(reference(**inputs)))
+                results[(name, "type")] = (type(out).__name__,
+                                           type(reference(**inputs)).__name__)
+            loss_of(logits_of(out), seed + step).backward()
+            loss_of(logits_of(ddp(**inputs)), seed + step).backward()
+            if step == 0:
+                errors["grad"] = grad_errors(gathered_grads(prog, gm), {
+                    n: ddp.module.get_parameter(n).grad for n in prog.plan.params})
+            opt.step()
+            ddp_opt.step()
+            opt.zero_grad()
+            ddp_opt.zero_grad()
+            errors["param"] = max(errors["param"], param_errors(
+                prog.full_state_dict(gm), ddp.module.state_dict(),
+                [n for n, _ in model.named_parameters()]))
+        results[name] = errors
+        results[(name, "report")] = prog.report()
+    return results

@@ -35,7 +35,7 @@ def test_untraceable_model_names_the_construct_and_the_capture_paths():
         rtp_compile.transform(DataDependent(), 2)
     text = str(err.value)
     assert "DataDependent" in text and "symbolic_trace" in text
-    assert "control flow" in text and "example_inputs" in text
+    assert "control flow" in text and "example_kwargs={'x': tensor}" in text
     with pytest.raises(rtp_compile.CaptureError) as err:
         rtp_compile.transform(DataDependent(), 2, example_inputs=(torch.randn(2, 4),))
     assert "torch.export" in str(err.value) and "DataDependent" in str(err.value)

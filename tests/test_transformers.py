@@ -1,0 +1,32 @@
+"""Real models out of the box: transformers models (random init from configs) and
+nn.TransformerEncoder, compiled unmodified, match the unsharded model and DDP.
+
+World sizes 2 and 3 (3 makes most sizes uneven), float64. HF Llama's and Mixtral's RMSNorm
+compute in float32 even for float64 inputs: those two are held to float32 accuracy (1e-5).
+Mixtral uses experts_implementation="batched_mm" (its eager expert loop breaks every capture;
+grouped_mm has no float64 CPU kernel).
+"""
+import pytest
+
+pytest.importorskip("transformers")
+
+import rtp_compile  # noqa: E402
+from jobs import hf_parity  # noqa: E402
+
+FLOAT64 = ["gpt2", "bert", "t5", "vit", "torch_encoder"]
+FLOAT32_NORMS = ["llama", "mixtral"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_real_models_match_unsharded_and_ddp(world_size, seed):
+    results = rtp_compile.launch(hf_parity, world_size, args=(FLOAT64 + FLOAT32_NORMS, seed),
+                                 timeout=600)
+    for rank, per_model in enumerate(results):
+        for name in FLOAT64 + FLOAT32_NORMS:
+            tol = 1e-9 if name in FLOAT64 else 1e-5
+            for what, err in per_model[name].items():
+                assert err <= tol, f"rank {rank} {name}: {what} rel. error {err:.2e}\n" \
+                                   f"{per_model[(name, 'report')]}"
+            got, expected = per_model[(name, "type")]
+            assert got == expected, f"{name}: output structure {got}, model gives {expected}"
