@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch import nn
 
 from rtp_compile.runtime import ring  # noqa: F401  (registers torch.ops.rtp.*)
-from rtp_compile.runtime.ring import JobCheck
+from rtp_compile.runtime.ring import BufferBroadcast, JobCheck
 from rtp_compile.runtime.units import GatherUnit, RotationUnit
 from rtp_compile.passes.plan import Plan
 from rtp_compile.passes.rotate import gathered_op, rotation_unit
@@ -72,10 +72,11 @@ class RankEmitter:
     """Builds the GraphModule of one rank from the shared program."""
 
     def __init__(self, program_gm: fx.GraphModule, plan: Plan, bodies, params, rank: int,
-                 group_name: str, grad_scale: float, device=None):
+                 group_name: str, grad_scale: float, device=None, broadcast_buffers=True):
         self.src, self.plan, self.bodies, self.params = program_gm, plan, bodies, params
         self.rank, self.n, self.group_name = rank, plan.world_size, group_name
         self.grad_scale, self.device = grad_scale, device
+        self.broadcast_buffers = broadcast_buffers
         self.units = {u.name: u for u in plan.units}
         self.tags = {u.name: i * _TAGS_PER_UNIT for i, u in enumerate(plan.units)}
         self.graph = fx.Graph()
@@ -89,8 +90,7 @@ class RankEmitter:
         checked = False
         for node in self.src.graph.nodes:
             if node.op != "placeholder" and not checked:
-                self.root["rtp_job"] = JobCheck(self.n, self.rank, self.group_name)
-                self.graph.call_module("rtp_job")
+                self._emit_job_start()
                 checked = True
             if node.op == "call_function" and node.target is rotation_unit:
                 env[node] = self._rotation(node, env)
@@ -111,6 +111,18 @@ class RankEmitter:
                 setattr(gm, spec, getattr(self.src, spec))
         gm.graph.lint()
         return gm
+
+    def _emit_job_start(self) -> None:
+        """Check the job, then (like DDP) take the first rank's buffers."""
+        self.root["rtp_job"] = JobCheck(self.n, self.rank, self.group_name)
+        self.graph.call_module("rtp_job")
+        buffers = [name for name, _ in self.src.named_buffers()]
+        if self.broadcast_buffers and buffers and self.n > 1:
+            reads = [self.graph.get_attr(name) for name in buffers]
+            for read in reads:
+                self._own_attr(read)
+            self.root["rtp_buffers"] = BufferBroadcast(self.group_name)
+            self.graph.call_module("rtp_buffers", tuple(reads))
 
     def _own_attr(self, node: fx.Node) -> None:
         """Put what a copied get_attr/call_module refers to into this rank's root."""

@@ -29,11 +29,13 @@ class RTPProgram:
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
 
-    def module(self, rank: int, group: dist.ProcessGroup | None = None, device=None
-               ) -> fx.GraphModule:
+    def module(self, rank: int, group: dist.ProcessGroup | None = None, device=None,
+               broadcast_buffers: bool = True) -> fx.GraphModule:
         """The GraphModule of `rank` (rank within `group`, default the whole job).
 
-        Its parameters are this rank's shards only, under the model's parameter names.
+        Its parameters are this rank's shards only, under the model's parameter names. Buffers
+        are whole on every rank; as with DDP's default, each forward first takes the group's
+        first rank's buffers (`broadcast_buffers=False`: each rank keeps its own).
         """
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"rtp_compile: rank must be an int in [0, {self.world_size}), "
@@ -41,7 +43,7 @@ class RTPProgram:
         group_name = "" if group is None or group == dist.group.WORLD else group.group_name
         scale = 1.0 / self.world_size if self.grad_reduction == "mean" else 1.0
         emitter = RankEmitter(self.graph_module, self.plan, self._bodies, self._captured.params,
-                              rank, group_name, scale, device)
+                              rank, group_name, scale, device, broadcast_buffers)
         gm = emitter.emit()
         return gm
 

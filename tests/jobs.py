@@ -313,3 +313,21 @@ def hf_parity(rank: int, world_size: int, names: list[str], seed: int, steps: in
         results[name] = errors
         results[(name, "report")] = prog.report()
     return results
+
+
+def buffers_like_ddp(rank: int, world_size: int, seed: int, broadcast: bool) -> dict:
+    """BatchNorm running statistics after two training steps, against DDP with the same
+    broadcast_buffers setting (and the output of an eval-mode forward)."""
+    model = build("conv", seed)
+    prog = rtp_compile.transform(model, world_size)
+    gm = prog.module(rank, broadcast_buffers=broadcast)
+    ddp = DDP(copy.deepcopy(model), broadcast_buffers=broadcast)
+    for step in range(2):
+        x = batch("conv", seed, rank, step)
+        loss_of(gm(x), seed).backward()
+        loss_of(ddp(x), seed).backward()
+    buffers = {n: rel_err(b, ddp.module.get_buffer(n)) for n, b in gm.named_buffers()}
+    gm.eval(), ddp.eval()
+    x = batch("conv", seed, rank, 9)
+    return {"buffers": max(buffers.values()), "names": sorted(buffers),
+            "eval_output": rel_err(gm(x), ddp(x))}

@@ -2,7 +2,8 @@
 import pytest
 
 import rtp_compile
-from jobs import accumulate_like_ddp, no_grad_then_train, state_dict_roundtrip, subgroup_programs
+from jobs import (accumulate_like_ddp, buffers_like_ddp, no_grad_then_train, state_dict_roundtrip,
+                  subgroup_programs)
 
 TOL = 1e-9
 
@@ -34,3 +35,13 @@ def test_full_state_dict_roundtrip(seed):
 def test_group_argument_confines_communication_to_the_group(seed):
     for r in rtp_compile.launch(subgroup_programs, 4, args=(seed,), timeout=120):
         assert r["output"] <= TOL and r["grad"] <= TOL
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_buffers_behave_as_under_ddp(broadcast, seed):
+    """BatchNorm statistics: DDP's broadcast_buffers=True (default: every forward starts from
+    rank 0's buffers) and False (each rank keeps its own) are both matched exactly."""
+    for r in rtp_compile.launch(buffers_like_ddp, 3, args=(seed, broadcast), timeout=120):
+        assert r["names"] == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
+        assert r["buffers"] <= 1e-12 and r["eval_output"] <= 1e-9

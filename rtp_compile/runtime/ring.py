@@ -135,3 +135,29 @@ class JobCheck(torch.nn.Module):
                 f"rtp_compile: this is the module of rank {self.rank}, but it runs on rank "
                 f"{actual} of the process group. Use prog.module(torch.distributed.get_rank()) "
                 "on every rank.")
+
+
+class BufferBroadcast(torch.nn.Module):
+    """DDP's `broadcast_buffers`: before each forward every rank takes the buffers (BatchNorm
+    statistics, rotary caches, position ids) of the group's first rank, one broadcast per dtype."""
+
+    def __init__(self, group_name: str):
+        super().__init__()
+        self.group_name = group_name
+
+    def forward(self, *buffers: torch.Tensor) -> None:
+        if not buffers or not (dist.is_available() and dist.is_initialized()):
+            return
+        group = resolve_group(self.group_name)
+        if dist.get_world_size(group) == 1:
+            return
+        source = dist.get_global_rank(group, 0)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for b in buffers:
+            by_dtype.setdefault(b.dtype, []).append(b)
+        with torch.no_grad():
+            for same in by_dtype.values():
+                flat = torch._utils._flatten_dense_tensors(same)
+                dist.broadcast(flat, source, group=group)
+                for b, value in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
+                    b.copy_(value)
