@@ -1,8 +1,9 @@
 """Module calls -> the torch functions they compute, so parameters become visible graph inputs.
 
 fx keeps torch.nn modules as leaf `call_module` nodes. This pass rewrites the ones whose
-computation is a single torch function (Linear, Conv, Embedding, norms, dropout) into that function
-with `get_attr` reads of the module's parameters and buffers. Train/eval-dependent modules read
+computation is a single torch function (Linear, Conv, Embedding, norms, dropout, activations)
+into that function with `get_attr` reads of the module's parameters and buffers. Train/eval-
+dependent modules read
 `self.training` at run time, so `.eval()` on an emitted module switches them like on the original.
 
 Invariant: the graph computes what the module calls computed; leaf modules not in the table
@@ -53,7 +54,7 @@ def _lower_conv(m, x, read, emit):
 
 
 def _lower(m: nn.Module, x, read, training, emit):
-    """(function, args) computing module `m` on input `x`; None when `m` is not in the table."""
+    """(function, args[, kwargs]) computing module `m` on `x`; None when `m` is not in the table."""
     if type(m) is nn.Linear:
         return F.linear, (x, read("weight"), read("bias"))
     if isinstance(m, nn.modules.conv._ConvNd):
@@ -75,6 +76,11 @@ def _lower(m: nn.Module, x, read, training, emit):
                 nn.Dropout3d: F.dropout3d}
     if type(m) in dropouts:
         return dropouts[type(m)], (x, m.p, training, m.inplace)
+    if type(m) is nn.GELU:
+        return F.gelu, (x,), {"approximate": m.approximate}
+    activations = {nn.ReLU: F.relu, nn.SiLU: F.silu, nn.Tanh: torch.tanh, nn.Sigmoid: torch.sigmoid}
+    if type(m) in activations and not getattr(m, "inplace", False):
+        return activations[type(m)], (x,)
     return None
 
 

@@ -78,6 +78,7 @@ class Unit:
     mode: str | None = None              # rotate: the rule's mode
     reason: str = ""                     # gather: why it was not rotated
     target: str = ""                     # what the node calls, for reports
+    fusion: object = None                # fused: the block it runs (passes.fuse.Fusion)
 
 
 @dataclass
@@ -86,6 +87,9 @@ class Plan:
     world_size: int
     params: dict[str, ParamLayout]
     units: list[Unit] = field(default_factory=list)
+
+    def names(self) -> set[str]:
+        return {u.name for u in self.units}
 
     def strategy(self, name: str) -> str:
         kinds = {u.kind for u in self.units if name in u.params.values()}
@@ -109,7 +113,8 @@ class Plan:
         lines.insert(1, "  ".join("-" * w for w in widths))
         total = sum(lay.shard_bytes for lay in self.params.values())
         lines.append(f"world size {self.world_size}: {len(self.params)} parameters, "
-                     f"{sum(u.kind == 'rotate' for u in self.units)} rotated and "
+                     f"{sum(u.kind == 'rotate' for u in self.units)} rotated ops, "
+                     f"{sum(u.kind == 'fused' for u in self.units)} fused blocks, "
                      f"{sum(u.kind == 'gather' for u in self.units)} gathered ops, "
                      f"{total:,} parameter bytes per rank")
         return "\n".join(lines)
@@ -120,7 +125,8 @@ def _target_name(node: fx.Node) -> str:
     return t if isinstance(t, str) else getattr(t, "__name__", None) or str(t)
 
 
-def _unit_name(base: str, taken: set[str]) -> str:
+def unique_name(base: str, taken: set[str]) -> str:
+    """An attribute-safe name from `base`, not in `taken` (which it joins)."""
     name = base.replace(".", "_") or "unit"
     candidate, i = name, 1
     while candidate in taken:
@@ -192,7 +198,7 @@ def plan_sharding(gm: fx.GraphModule, world_size: int, params: dict[str, torch.T
         mode = _mode_for(call, dims, shapes) if call else None
         if mode is not None:
             base = call.params.get("weight") or next(iter(call.params.values()))
-            plan.units.append(Unit(_unit_name(base.rpartition(".")[0] or node.name, taken),
+            plan.units.append(Unit(unique_name(base.rpartition(".")[0] or node.name, taken),
                                    node.name,
                                    "rotate", dict(call.params), call, mode,
                                    target=_target_name(node)))
@@ -203,7 +209,7 @@ def plan_sharding(gm: fx.GraphModule, world_size: int, params: dict[str, torch.T
             reason = "it reads parameters through ops the rule cannot shard"
         else:
             reason = why_not_sharded(node, gm, reads)
-        plan.units.append(Unit(_unit_name(f"{node.name}_gather", taken), node.name, "gather",
+        plan.units.append(Unit(unique_name(f"{node.name}_gather", taken), node.name, "gather",
                                {f"param{i}": p for i, p in enumerate(names)}, None, None, reason,
                                _target_name(node)))
     return plan

@@ -1,6 +1,8 @@
 """Weight-bearing nodes -> rank-generic unit nodes.
 
-Every rotated node becomes `rotation_unit(name, x, *params)`; every gathered node becomes
+Every rotated node becomes `rotation_unit(name, x, *params)`; a fused block (its first layers,
+pointwise ops and last layer) becomes `fused_unit(name, x, *params)` with its pointwise region
+kept as a body GraphModule; every gathered node becomes
 `gathered_op(name, *inputs, *params)`, and the gathered op (with the parameter-only ops that feed
 it, such as `w.t()`) moves into a small body GraphModule run on the gathered tensors. The result
 is the program every rank shares: step k of a unit holds shard (rank - k) mod N, and codegen
@@ -16,6 +18,7 @@ import copy
 import torch
 import torch.fx as fx
 
+from rtp_compile.passes.fuse import region_body
 from rtp_compile.passes.plan import Plan, consumer_closure, parameter_only_nodes
 from rtp_compile.passes.match import parameter_reads
 
@@ -23,6 +26,12 @@ from rtp_compile.passes.match import parameter_reads
 def rotation_unit(name: str, x, *params):
     """Marker of a rotated op in the rank-generic graph; codegen unrolls it for a rank."""
     raise RuntimeError(f"rotation unit {name!r} belongs to the rank-generic program: run the "
+                       "module of a rank, prog.module(rank), not prog.graph")
+
+
+def fused_unit(name: str, x, *params):
+    """Marker of a fused block in the rank-generic graph; codegen unrolls it for a rank."""
+    raise RuntimeError(f"fused block {name!r} belongs to the rank-generic program: run the "
                        "module of a rank, prog.module(rank), not prog.graph")
 
 
@@ -88,6 +97,10 @@ def rotate(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, dict[str, fx
             if unit.kind == "rotate":
                 x = by_name[unit.call.input]
                 marker = graph.call_function(rotation_unit, (unit.name, x, *param_reads))
+            elif unit.kind == "fused":
+                bodies[unit.name] = region_body(gm, unit.fusion)
+                x = by_name[unit.fusion.heads[0].call.input]
+                marker = graph.call_function(fused_unit, (unit.name, x, *param_reads))
             else:
                 body, inputs = gather_body(gm, node, consumer_closure(node, param_only))
                 bodies[unit.name] = body
@@ -97,6 +110,9 @@ def rotate(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, dict[str, fx
         node.replace_all_uses_with(marker)
         by_name[node.name] = marker
         graph.erase_node(node)
+        if unit.kind == "fused":  # the block's hidden ops and first layers now live in the unit
+            for name in [*reversed(unit.fusion.region), *(h.node for h in unit.fusion.heads)]:
+                graph.erase_node(by_name[name])
     # only the parameter reads and parameter-only ops the units took over may go
     graph.eliminate_dead_code(is_impure_node=lambda n: n not in param_only)
     gm.recompile()

@@ -8,6 +8,7 @@ from rtp_compile.capture import CaptureError, canonicalise_parameter_reads, capt
 from rtp_compile.program import RTPProgram
 from rtp_compile.runtime.launch import RankError, launch
 from rtp_compile.passes.fold_parameter_metadata import fold_parameter_metadata
+from rtp_compile.passes.fuse import fuse_blocks
 from rtp_compile.passes.lower_modules import lower_modules
 from rtp_compile.passes.plan import plan_sharding
 from rtp_compile.passes.rotate import rotate
@@ -17,11 +18,13 @@ __all__ = ["transform", "launch", "RTPProgram", "CaptureError", "RankError"]
 
 
 def transform(model: nn.Module, world_size: int, example_inputs=None, *, example_kwargs=None,
-              grad_reduction: str = "mean") -> RTPProgram:
+              grad_reduction: str = "mean", fuse: bool = True) -> RTPProgram:
     """Compile `model` for `world_size` ranks; needs no process group.
 
-    Without example inputs the model is traced with torch.fx; with them, torch.export is used.
+    Without example inputs the model is traced with torch.fx (or exported with the
+    `dummy_inputs` a transformers model carries); with them, torch.export is used.
     `grad_reduction`: "mean" (like DDP) or "sum" over the ranks' batches.
+    `fuse`: rotate each MLP / SwiGLU block as one unit (`passes.fuse`), on where exact.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"rtp_compile.transform: world_size must be a positive int, "
@@ -37,5 +40,7 @@ def transform(model: nn.Module, world_size: int, example_inputs=None, *, example
         fold_parameter_metadata(gm)
     split_norm_affine(gm)
     plan = plan_sharding(gm, world_size, captured.params, captured.aliases)
+    if fuse:
+        fuse_blocks(gm, plan)
     gm, bodies = rotate(gm, plan)
     return RTPProgram(captured, gm, plan, bodies, grad_reduction)

@@ -17,9 +17,11 @@ from torch import nn
 
 from rtp_compile.runtime import ring  # noqa: F401  (registers torch.ops.rtp.*)
 from rtp_compile.runtime.ring import BufferBroadcast, JobCheck
-from rtp_compile.runtime.units import GatherUnit, RotationUnit
+from rtp_compile.op_rules import Combine
 from rtp_compile.passes.plan import Plan
-from rtp_compile.passes.rotate import gathered_op, rotation_unit
+from rtp_compile.passes.rotate import fused_unit, gathered_op, rotation_unit
+from rtp_compile.runtime.fused import LINEAR, FusedUnit, sub_roles
+from rtp_compile.runtime.units import GatherUnit, RotationUnit
 from rtp_compile.passes.schedule import forward_schedule, forward_shard
 
 _TAGS_PER_UNIT = 4  # forward hop, backward weight hop, gradient hop, spare
@@ -94,6 +96,8 @@ class RankEmitter:
                 checked = True
             if node.op == "call_function" and node.target is rotation_unit:
                 env[node] = self._rotation(node, env)
+            elif node.op == "call_function" and node.target is fused_unit:
+                env[node] = self._fused(node, env)
             elif node.op == "call_function" and node.target is gathered_op:
                 env[node] = self._gathered(node, env)
             else:
@@ -144,19 +148,17 @@ class RankEmitter:
         return nn.Parameter(shard, requires_grad=full.requires_grad)
 
     # -- units -------------------------------------------------------------------------------
-    def _rotation(self, node: fx.Node, env) -> fx.Node:
-        name, x, *param_args = node.args
-        unit = self.units[name]
-        x_node, params = env[x], [env[a] for a in param_args]
-        layouts = [self.plan.params[p] for p in unit.params.values()]
-        roles = list(unit.params)
-        shapes = {r: lay.shape for r, lay in zip(roles, layouts)}
+    def _unrolled_steps(self, name, x_node, params, roles, compute):
+        """Detach, then the forward schedule of unit `name`: ring hops started and waited,
+        `compute(step, shard, x, shards)` for each step (proxies in, a proxy or None out).
+        Returns the combined-by-sum-or-cat parts by shard."""
         tag = self.tags[name]
-        # the steps compute on detached tensors; the unit module below wires up autograd
+        # the steps compute on detached tensors; the unit module after them wires up autograd
         self.tracer.tag = {"unit": name, "step": 0, "action": "detach"}
         x_d = self.tracer.create_node("call_method", "detach", (x_node,), {}, name=f"{name}_in")
         own = [self.tracer.create_node("call_method", "detach", (p,), {}, name=f"{name}_{r}0")
                for p, r in zip(params, roles)]
+        proxy = lambda n: fx.Proxy(n, self.tracer)
         held, received, outputs = own, None, {}
         for event in forward_schedule(self.n):
             k = event.step
@@ -170,21 +172,19 @@ class RankEmitter:
                 self.tracer.create_node("call_function", torch.ops.rtp.ring_wait.default,
                                         (received,), {}, name=f"{name}_wait{k}")
                 held = [self.tracer.create_node("call_function", operator.getitem,
-                                                (received, i), {}, name=f"{name}_{r}{k}")
+                                                (received, i), {},
+                                                name=f"{name}_{r.replace('.', '_')}{k}")
                         for i, r in enumerate(roles)]
             else:
                 s = forward_shard(self.rank, k, self.n)
-                slots = {r: lay.slot(s) for r, lay in zip(roles, layouts)}
-                proxy = lambda n: fx.Proxy(n, self.tracer) if isinstance(n, fx.Node) else n
-                out = unit.call.rule.forward_step(
-                    unit.mode, unit.call.options, proxy(x_d),
-                    {r: proxy(h) for r, h in zip(roles, held)}, slots, shapes)
+                out = compute(k, s, proxy(x_d), {r: proxy(h) for r, h in zip(roles, held)})
                 if out is not None:
                     outputs[s] = out.node
                     out.node._rename(f"{name}_y{k}")
         self.tracer.tag = {"unit": name, "step": self.n - 1, "action": "combine"}
-        combine = unit.call.rule.combine(unit.mode, unit.call.options, shapes)
-        parts = [outputs[s] for s in range(self.n) if s in outputs]
+        return [outputs[s] for s in range(self.n) if s in outputs]
+
+    def _combine(self, name, parts, combine) -> fx.Node:
         if combine.how == "cat":
             y = self.tracer.create_node("call_function", torch.cat, (parts, combine.dim), {},
                                         name=f"{name}_out")
@@ -194,10 +194,63 @@ class RankEmitter:
                 y = self.tracer.create_node("call_function", operator.add, (y, part), {},
                                             name=f"{name}_sum")
         self.tracer.tag = None
+        return y
+
+    def _layouts(self, unit):
+        roles = list(unit.params)
+        layouts = [self.plan.params[p] for p in unit.params.values()]
+        return roles, layouts, {r: lay.shape for r, lay in zip(roles, layouts)}
+
+    def _rotation(self, node: fx.Node, env) -> fx.Node:
+        name, x, *param_args = node.args
+        unit = self.units[name]
+        x_node, params = env[x], [env[a] for a in param_args]
+        roles, layouts, shapes = self._layouts(unit)
+        rule, mode, options = unit.call.rule, unit.mode, unit.call.options
+
+        def compute(k, s, x_p, shards):
+            slots = {r: lay.slot(s) for r, lay in zip(roles, layouts)}
+            return rule.forward_step(mode, options, x_p, shards, slots, shapes)
+
+        parts = self._unrolled_steps(name, x_node, params, roles, compute)
+        y = self._combine(name, parts, rule.combine(mode, options, shapes))
         self.root[f"rtp_units.{name}"] = RotationUnit(
-            name, unit.call, unit.mode, layouts, self.rank, self.n, self.group_name, tag,
+            name, unit.call, mode, layouts, self.rank, self.n, self.group_name, self.tags[name],
             self.grad_scale)
         out = self.graph.call_module(f"rtp_units.{name}", (y, x_node, *params))
+        out.meta.update(node.meta)
+        return out
+
+    def _fused(self, node: fx.Node, env) -> fx.Node:
+        name, x, *param_args = node.args
+        unit = self.units[name]
+        fusion, body = unit.fusion, self.bodies[name]
+        x_node, params = env[x], [env[a] for a in param_args]
+        roles, layouts, shapes = self._layouts(unit)
+        saved: dict[int, list[fx.Node]] = {}  # per shard: the heads' outputs, for backward
+
+        def compute(k, s, x_p, shards):
+            slots = {r: lay.slot(s) for r, lay in zip(roles, layouts)}
+            width = slots["tail.weight"].valid
+            tail = [sub_roles(d, "tail") for d in (shards, slots, shapes)]
+            if width == 0:  # an all-padding shard: only the tail's bias slot, if any
+                return LINEAR.row_partial(fusion.tail.call.options,
+                                          x_p.narrow(-1, 0, 0), *tail) if "bias" in tail[0] \
+                    else None
+            heads = [LINEAR.forward_step("col", h.call.options, x_p,
+                                         *[sub_roles(d, f"head{i}") for d in (shards, slots, shapes)])
+                     for i, h in enumerate(fusion.heads)]
+            saved[s] = [h.node for h in heads]
+            hidden = body(*heads)
+            return LINEAR.row_partial(fusion.tail.call.options, hidden, *tail)
+
+        parts = self._unrolled_steps(name, x_node, params, roles, compute)
+        y = self._combine(name, parts, Combine("sum"))
+        self.root[f"rtp_units.{name}"] = FusedUnit(
+            name, fusion, roles, layouts, body, self.rank, self.n, self.group_name,
+            self.tags[name], self.grad_scale)
+        keep = [n for s in range(self.n) for n in saved.get(s, [])]
+        out = self.graph.call_module(f"rtp_units.{name}", (y, x_node, *params, *keep))
         out.meta.update(node.meta)
         return out
 

@@ -94,25 +94,36 @@ class LinearRule(Rule):
         return Combine("cat", -1) if mode == "col" else Combine("sum")
 
     @staticmethod
-    def _weight(options, shard, dim, slot):
+    def weight_as_out_in(options, shard, dim, slot):
+        """The real part of a weight shard, viewed [out, in] whatever its storage."""
         w = _part(shard, dim, slot)
         return w.t() if options.get("transposed") else w  # always [out, in] from here on
 
     def forward_step(self, mode, options, x, shards, slots, shapes):
-        wdim = self.modes(shapes, options)[mode]["weight"]
-        w = self._weight(options, shards["weight"], wdim, slots["weight"])
         if mode == "col":
+            w = self.weight_as_out_in(options, shards["weight"], self.weight_dim(mode, options),
+                                      slots["weight"])
             b = _part(shards["bias"], 0, slots["bias"]) if "bias" in shards else None
             return F.linear(x, w, b)
-        y = F.linear(x.narrow(-1, slots["weight"].offset, slots["weight"].valid), w)
+        ws = slots["weight"]
+        return self.row_partial(options, x.narrow(-1, ws.offset, ws.valid), shards, slots, shapes)
+
+    def weight_dim(self, mode, options):
+        """The stored weight's dim that `mode` cuts."""
+        return self.modes({}, options)[mode]["weight"]
+
+    def row_partial(self, options, x_part, shards, slots, shapes):
+        """Row split, given the input's slice for this shard: x_s W_sᵀ (+ the bias in its slot)."""
+        w = self.weight_as_out_in(options, shards["weight"], self.weight_dim("row", options),
+                                  slots["weight"])
+        y = F.linear(x_part, w)
         if "bias" in shards:
             y = y + _bias_in_slot(shards["bias"], slots["bias"], shapes["bias"][0])
         return y
 
     def input_grad(self, mode, options, dy, x, shards, slots, shapes, dx):
-        wdim = self.modes(shapes, options)[mode]["weight"]
         ws = slots["weight"]
-        w = self._weight(options, shards["weight"], wdim, ws)
+        w = self.weight_as_out_in(options, shards["weight"], self.weight_dim(mode, options), ws)
         if mode == "col":
             dx += dy.narrow(-1, ws.offset, ws.valid) @ w
         else:
@@ -120,18 +131,29 @@ class LinearRule(Rule):
 
     def weight_grads(self, mode, options, dy, x, shards, slots, shapes, into):
         ws = slots["weight"]
-        gw = into["weight"].t() if options.get("transposed") else into["weight"]  # [out, in] view
         if mode == "col":
-            dy2 = _flat2d(dy.narrow(-1, ws.offset, ws.valid))
-            gw.addmm_(dy2.t(), _flat2d(x))
-            if "bias" in into:
-                into["bias"].add_(dy2.sum(0))
+            self.col_weight_grads(options, dy.narrow(-1, ws.offset, ws.valid), x, into)
         else:
-            dy2 = _flat2d(dy)
-            gw.addmm_(dy2.t(), _flat2d(x.narrow(-1, ws.offset, ws.valid)))
-            if "bias" in into:
-                bs = slots["bias"]
-                into["bias"].add_(dy2.narrow(1, bs.offset, bs.valid).sum(0))
+            self.row_weight_grads(options, dy, x.narrow(-1, ws.offset, ws.valid), slots, into)
+
+    @staticmethod
+    def col_weight_grads(options, dy_part, x, into):
+        """Column split, given the output gradient's slice for this shard."""
+        gw = into["weight"].t() if options.get("transposed") else into["weight"]  # [out, in]
+        dy2 = _flat2d(dy_part)
+        gw.addmm_(dy2.t(), _flat2d(x))
+        if "bias" in into:
+            into["bias"].add_(dy2.sum(0))
+
+    @staticmethod
+    def row_weight_grads(options, dy, x_part, slots, into):
+        """Row split, given the input's slice for this shard."""
+        gw = into["weight"].t() if options.get("transposed") else into["weight"]  # [out, in]
+        dy2 = _flat2d(dy)
+        gw.addmm_(dy2.t(), _flat2d(x_part))
+        if "bias" in into:
+            bs = slots["bias"]
+            into["bias"].add_(dy2.narrow(1, bs.offset, bs.valid).sum(0))
 
 
 def _bias_in_slot(bias_shard, slot: Slot, total: int):

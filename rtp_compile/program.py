@@ -53,9 +53,14 @@ class RTPProgram:
         for u in self.plan.units:
             layouts = [self.plan.params[p] for p in u.params.values()]
             held = sum(lay.shard_bytes for lay in layouts)
+            dims = ", ".join(f"{p} dim {self.plan.params[p].dim}" for p in u.params.values())
             if u.kind == "rotate":
-                dims = ", ".join(f"{p} dim {self.plan.params[p].dim}" for p in u.params.values())
                 lines.append(f"  rotated  {u.name}: {u.call.rule.name} {u.mode} [{u.target}] "
+                             f"({dims}); {held:,} B/rank")
+            elif u.kind == "fused":
+                lines.append(f"  fused    {u.name}: {len(u.fusion.heads)} linear(s) -> "
+                             f"{len(u.fusion.region)} pointwise op(s) -> linear, one ring pass, "
+                             f"hidden {u.fusion.hidden} never concatenated [{u.target}] "
                              f"({dims}); {held:,} B/rank")
             else:
                 lines.append(f"  gathered {u.name}: {u.target} ({', '.join(u.params.values())}) "

@@ -13,7 +13,7 @@ from rtp_compile.op_rules import RULES, OpCall
 from rtp_compile.passes.lower_modules import lower_modules
 from rtp_compile.passes.match import match_op, parameter_reads
 from rtp_compile.passes.plan import ParamLayout
-from rtp_compile.passes.rotate import gathered_op, rotation_unit
+from rtp_compile.passes.rotate import fused_unit, gathered_op, rotation_unit
 from rtp_compile.passes.split_norm_affine import split_norm_affine
 from zoo import build, tiny_gpt
 
@@ -160,12 +160,13 @@ def test_adapters_agree_across_capture_levels():
 
 
 def test_after_rotate_only_units_read_parameters():
-    for name in ("gpt", "norule", "shared", "conv"):
+    for name in ("gpt", "norule", "shared", "conv", "mlp"):
         prog = rtp_compile.transform(build(name, 0), 2)
         params = set(prog.plan.params)
         for node in prog.graph.nodes:
             if node.op == "get_attr" and node.target in params:
-                assert all(u.target in (rotation_unit, gathered_op) for u in node.users), node
+                assert all(u.target in (rotation_unit, fused_unit, gathered_op)
+                           for u in node.users), node
 
 
 RULE_CASES = [
@@ -249,3 +250,51 @@ def test_ring_ops_have_fake_implementations():
         (received,) = torch.ops.rtp.ring_shift_start([w], "", 1, 0, "fake")
         torch.ops.rtp.ring_wait([received])
     assert received.shape == (3, 4)
+
+
+def _kinds(model, **kw):
+    return [(u.name, u.kind) for u in _plan(model, **kw).units]
+
+
+def test_mlp_and_swiglu_blocks_fuse_into_one_unit():
+    gpt = _plan(tiny_gpt())
+    fused = [u for u in gpt.units if u.kind == "fused"]
+    assert [u.name for u in fused] == ["blocks_0_mlp", "blocks_1_mlp"]
+    assert gpt.params["blocks.0.mlp.2.weight"].dim == 1  # the tail is cut on its inputs
+    assert gpt.params["blocks.0.mlp.0.weight"].dim == 0
+
+    class SwiGLU(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.up = nn.Linear(6, 10, bias=False), nn.Linear(6, 10, bias=False)
+            self.down = nn.Linear(10, 6)
+
+        def forward(self, x):
+            return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+    (unit,) = _plan(SwiGLU()).units
+    assert unit.kind == "fused" and len(unit.fusion.heads) == 2
+    assert set(unit.params.values()) == {"gate.weight", "up.weight", "down.weight", "down.bias"}
+    assert all(u.kind != "fused" for u in _plan(tiny_gpt(), fuse=False).units)
+
+
+def test_blocks_are_not_fused_where_it_would_not_be_exact():
+    class Leaky(nn.Module):  # the hidden activation is also read outside the block
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            return self.b(h), h.sum(-1)
+
+    class Mixing(nn.Module):  # softmax mixes the hidden dim
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.b(torch.softmax(self.a(x), -1))
+
+    for model in (Leaky(), Mixing(), build("shared", 0)):
+        assert all(kind != "fused" for _, kind in _kinds(model)), type(model).__name__

@@ -29,7 +29,7 @@ def test_sends_start_before_the_step_they_overlap_and_wait_before_the_next(model
     prog = rtp_compile.transform(build(model, 0), world_size)
     for rank in range(world_size):
         events = unit_events(prog.module(rank))
-        assert set(events) == {u.name for u in prog.plan.units if u.kind == "rotate"}
+        assert set(events) == {u.name for u in prog.plan.units if u.kind in ("rotate", "fused")}
         for unit, evs in events.items():
             where = lambda step, action: [i for i, s, a in evs if s == step and a == action]
             for k in range(world_size):

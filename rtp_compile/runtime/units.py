@@ -54,73 +54,104 @@ class GradientRing:
         return [a.mul_(scale) if scale != 1 else a for a in self.acc]
 
 
-class _RotationGrad(torch.autograd.Function):
+class _UnitGrad(torch.autograd.Function):
+    """Links a unit's result into autograd; saves the activation, the rank's own shards and
+    whatever the unit keeps from its forward steps (`saved`), never a received shard."""
+
     @staticmethod
-    def forward(ctx, unit, y, x, *own):
-        ctx.unit = unit
-        ctx.save_for_backward(x, *own)  # the activation and this rank's own shards, nothing more
+    def forward(ctx, unit, n_own, y, x, *tensors):
+        ctx.unit, ctx.n_own = unit, n_own
+        ctx.save_for_backward(x, *tensors)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, *own = ctx.saved_tensors
-        own = [p.detach() for p in own]
+        x, *rest = ctx.saved_tensors
+        own, saved = [p.detach() for p in rest[:ctx.n_own]], rest[ctx.n_own:]
         needs = ctx.needs_input_grad
-        dx, grads = ctx.unit.backward(dy, x, own, needs[2], any(needs[3:]))
+        own_needs = needs[4:4 + ctx.n_own]
+        dx, grads = ctx.unit.backward(dy, x, own, saved, needs[3], any(own_needs))
         grads = grads or [None] * len(own)
-        return (None, None, dx, *[g if need else None for g, need in zip(grads, needs[3:])])
+        return (None, None, None, dx, *[g if need else None for g, need in zip(grads, own_needs)],
+                *[None] * len(saved))
 
 
-class RotationUnit(nn.Module):
-    """Runtime of one rotated op on one rank: static facts only, no tensors of its own."""
+class RingUnit(nn.Module):
+    """Runtime of one unit on one rank: its backward schedule (weights re-fetched from rank+1,
+    gradient accumulators passed to rank-1); subclasses say what one step computes."""
 
-    def __init__(self, name, call, mode, layouts, rank, world_size, group_name, tag, grad_scale):
+    def __init__(self, name, roles, layouts, rank, world_size, group_name, tag, grad_scale):
         super().__init__()
-        self.unit_name, self.rule, self.mode, self.options = name, call.rule, mode, call.options
-        self.roles = list(call.params)
-        self.layouts = layouts                      # one ParamLayout per role, same order
+        self.unit_name, self.roles, self.layouts = name, list(roles), layouts
         self.rank, self.world_size, self.group_name = rank, world_size, group_name
         self.tag, self.grad_scale = tag, grad_scale
         self.shapes = {r: lay.shape for r, lay in zip(self.roles, layouts)}
 
-    def extra_repr(self) -> str:
-        dims = ", ".join(f"{r}: dim {lay.dim}" for r, lay in zip(self.roles, self.layouts))
-        return f"{self.rule.name} {self.mode} ({dims}), rank {self.rank} of {self.world_size}"
-
-    def forward(self, y, x, *own):
-        """y: the combined step outputs (computed outside autograd); own: this rank's shards."""
+    def forward(self, y, x, *tensors):
+        """y: the combined step outputs (computed outside autograd); then this rank's own
+        shards, one per role, then what the steps saved for backward."""
         if not torch.is_grad_enabled():
             return y
-        return _RotationGrad.apply(self, y, x, *own)
+        return _UnitGrad.apply(self, len(self.roles), y, x, *tensors)
 
-    def backward(self, dy, x, own, need_dx: bool, need_dw: bool):
+    def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
+        """This step's part of dx (added into `dx`, None when not needed). `scratch` is a dict
+        that lives for one step, for what both step functions need."""
+        raise NotImplementedError
+
+    def step_weight_grads(self, shard, dy, x, shards, slots, saved, into, scratch):
+        """This rank's gradient of each shard's real part, added into `into[role]`."""
+        raise NotImplementedError
+
+    def backward(self, dy, x, own, saved, need_dx: bool, need_dw: bool):
         """dx and this rank's (averaged) shard gradients, by the backward schedule."""
         n, where = self.world_size, f"{self.unit_name} backward"
         dx = torch.zeros_like(x) if need_dx else None
         grads = GradientRing(self.layouts, self.group_name, self.tag + 2, where, own[0]) \
             if need_dw else None
-        held, incoming = own, None
+        held, incoming, scratch = own, None, {}
         for event in backward_schedule(n):
             j, action = event.step, event.action
+            if action == "input_grad":
+                scratch = {}
             s = backward_shard(self.rank, j, n)
             slots = {r: lay.slot(s) for r, lay in zip(self.roles, self.layouts)}
             shards = dict(zip(self.roles, own if j == n - 1 else held))  # last step: own shard
-            args = (self.mode, self.options, dy, x, shards, slots, self.shapes)
             if action == "fetch_start":
                 incoming = ring.shift_start(held, self.group_name, -1, self.tag + 1,
                                             f"{where}: weight hop {j}")
             elif action == "fetch_wait":
                 ring.wait(incoming)
                 held = incoming
-            elif action == "input_grad" and need_dx:
-                self.rule.input_grad(*args, dx)
+            elif action == "input_grad":
+                self.step_input_grad(s, dy, x, shards, slots, saved, dx, scratch)
             elif action == "receive_grad" and need_dw:
                 grads.receive()
             elif action == "weight_grad" and need_dw:
-                self.rule.weight_grads(*args, dict(zip(self.roles, grads.real_parts(s))))
+                self.step_weight_grads(s, dy, x, shards, slots, saved,
+                                       dict(zip(self.roles, grads.real_parts(s))), scratch)
             elif action == "pass" and need_dw:
                 grads.pass_on(j)
         return dx, grads.result(self.grad_scale) if need_dw else None
+
+
+class RotationUnit(RingUnit):
+    """One rotated op: its rule's step backward, nothing saved but the activation."""
+
+    def __init__(self, name, call, mode, layouts, rank, world_size, group_name, tag, grad_scale):
+        super().__init__(name, call.params, layouts, rank, world_size, group_name, tag, grad_scale)
+        self.rule, self.mode, self.options = call.rule, mode, call.options
+
+    def extra_repr(self) -> str:
+        dims = ", ".join(f"{r}: dim {lay.dim}" for r, lay in zip(self.roles, self.layouts))
+        return f"{self.rule.name} {self.mode} ({dims}), rank {self.rank} of {self.world_size}"
+
+    def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
+        if dx is not None:
+            self.rule.input_grad(self.mode, self.options, dy, x, shards, slots, self.shapes, dx)
+
+    def step_weight_grads(self, shard, dy, x, shards, slots, saved, into, scratch):
+        self.rule.weight_grads(self.mode, self.options, dy, x, shards, slots, self.shapes, into)
 
 
 def ring_all_gather(own: list[torch.Tensor], layouts, rank: int, world_size: int,

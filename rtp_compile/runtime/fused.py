@@ -1,0 +1,80 @@
+"""The runtime of a fused block (column-split linears -> pointwise ops -> row-split linear).
+
+Forward steps are emitted inline like any unit's; they also hand the unit each step's head
+outputs (the block's hidden slice before its pointwise ops: together the size of one hidden
+activation, what the unfused layers would save too). Backward recomputes the pointwise region of
+a step from them under autograd, so its gradient needs no rule of its own.
+"""
+from __future__ import annotations
+
+import torch
+
+from rtp_compile.op_rules import LinearRule
+from rtp_compile.runtime.units import RingUnit
+
+
+LINEAR = LinearRule()
+
+
+def sub_roles(values: dict, prefix: str) -> dict:
+    """{"weight": ..., "bias": ...} of one linear of the block, from its "prefix.role" keys."""
+    return {r.split(".", 1)[1]: v for r, v in values.items() if r.split(".", 1)[0] == prefix}
+
+
+class FusedUnit(RingUnit):
+    def __init__(self, name, fusion, roles, layouts, body, rank, world_size, group_name, tag,
+                 grad_scale):
+        super().__init__(name, roles, layouts, rank, world_size, group_name, tag, grad_scale)
+        self.head_options = [h.call.options for h in fusion.heads]
+        self.tail_options = fusion.tail.call.options
+        self.hidden, self.body = fusion.hidden, body
+        self.tail_weight = roles.index("tail.weight")
+
+    def extra_repr(self) -> str:
+        return (f"fused block: {len(self.head_options)} column-split linear(s) -> pointwise -> "
+                f"row-split linear, hidden {self.hidden}; rank {self.rank} of {self.world_size}")
+
+    def _width(self, slots) -> int:
+        return slots["tail.weight"].valid
+
+    def _saved_heads(self, shard, saved):
+        """This shard's head outputs among `saved` (all-padding shards saved none)."""
+        index = sum(1 for s in range(shard) if self.layouts[self.tail_weight].slot(s).valid)
+        k = len(self.head_options)
+        return saved[index * k:(index + 1) * k]
+
+    def _local(self, shard, dy, x, shards, slots, saved, scratch):
+        """(region output h, head output grads) of one step, computed once per step."""
+        if "h" not in scratch:
+            width = self._width(slots)
+            tail = sub_roles(shards, "tail")
+            w_tail = LINEAR.weight_as_out_in(self.tail_options, tail["weight"],
+                                        LINEAR.weight_dim("row", self.tail_options),
+                                        slots["tail.weight"])
+            if width == 0:
+                scratch["h"], scratch["dheads"] = dy.new_zeros(*dy.shape[:-1], 0), \
+                    [dy.new_zeros(*dy.shape[:-1], 0)] * len(self.head_options)
+                return scratch
+            heads = [h.detach().requires_grad_(True) for h in self._saved_heads(shard, saved)]
+            with torch.enable_grad():
+                h = self.body(*heads)
+            scratch["h"] = h.detach()
+            scratch["dheads"] = torch.autograd.grad(h, heads, dy @ w_tail)
+        return scratch
+
+    def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
+        local = self._local(shard, dy, x, shards, slots, saved, scratch)
+        if dx is None:
+            return
+        for i, (options, dh) in enumerate(zip(self.head_options, local["dheads"])):
+            head = sub_roles(shards, f"head{i}")
+            w = LINEAR.weight_as_out_in(options, head["weight"], LINEAR.weight_dim("col", options),
+                                   slots[f"head{i}.weight"])
+            dx += dh @ w
+
+    def step_weight_grads(self, shard, dy, x, shards, slots, saved, into, scratch):
+        local = self._local(shard, dy, x, shards, slots, saved, scratch)
+        LINEAR.row_weight_grads(self.tail_options, dy, local["h"], sub_roles(slots, "tail"),
+                                    sub_roles(into, "tail"))
+        for i, (options, dh) in enumerate(zip(self.head_options, local["dheads"])):
+            LINEAR.col_weight_grads(options, dh, x, sub_roles(into, f"head{i}"))
