@@ -25,6 +25,7 @@ class _PendingShift:
 
 
 _pending: dict[int, _PendingShift] = {}
+traffic = {"hops": 0, "bytes": 0}  # what this process sent around the ring (benchmarks read it)
 
 
 def resolve_group(group_name: str):
@@ -65,6 +66,8 @@ def shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: i
         ops.append(dist.P2POp(dist.isend, out.contiguous(), dst, group, tag * 8 + i))
         ops.append(dist.P2POp(dist.irecv, inp, src, group, tag * 8 + i))
     works = dist.batch_isend_irecv(ops)
+    traffic["hops"] += 1
+    traffic["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
     _pending[received[0].untyped_storage().data_ptr()] = _PendingShift(
         works, [op.tensor for op in ops[::2]], group_timeout(group), where)
     return received
