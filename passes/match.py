@@ -234,9 +234,15 @@ if hasattr(torch._C._nn, "linear"):
     ADAPTERS[torch._C._nn.linear] = _linear_adapter
 
 
+def op_key(target):
+    """An aten op called as `torch.ops.aten.x(...)` (the overload packet) as its default
+    overload, so one table row serves both spellings."""
+    return target.default if isinstance(target, torch._ops.OpOverloadPacket) else target
+
+
 def _match(node: fx.Node, gm: fx.GraphModule, reads) -> tuple[OpCall | None, str]:
     target = getattr(node.target, "__name__", str(node.target))
-    adapter = ADAPTERS.get(node.target) if node.op == "call_function" else None
+    adapter = ADAPTERS.get(op_key(node.target)) if node.op == "call_function" else None
     if node.op == "call_module":
         kind = type(gm.get_submodule(node.target)).__name__
         return None, (f"{kind} is called as one module (torch.fx keeps torch.nn modules whole); "

@@ -8,11 +8,14 @@ multiply-add); norms whose weight and bias are not parameters are left as they w
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from rtp_compile.op_rules import affine
+from rtp_compile.passes.match import op_key
 from rtp_compile.passes.lower_modules import batch_norm_module
 
 aten = torch.ops.aten
@@ -28,7 +31,9 @@ NORMS = {
     F.batch_norm: ("weight", "bias", 1),
     aten.batch_norm.default: ("weight", "bias", 1),
     batch_norm_module: ("weight", "bias", 1),
+    aten.native_layer_norm.default: ("weight", "bias", -1),  # (out, mean, rstd): affine on out
 }
+TUPLE_NORMS = {aten.native_layer_norm.default}
 
 
 def _is_param(gm: fx.GraphModule, value) -> bool:
@@ -46,9 +51,10 @@ def _attr(gm, target):
 def split_norm_affine(gm: fx.GraphModule) -> fx.GraphModule:
     """Move the weight and bias of every norm with parameters into an `affine` node after it."""
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in NORMS:
+        target = op_key(node.target)
+        if node.op != "call_function" or target not in NORMS:
             continue
-        weight_arg, bias_arg, dim = NORMS[node.target]
+        weight_arg, bias_arg, dim = NORMS[target]
         bound = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
         if bound is None:
             continue
@@ -61,9 +67,12 @@ def split_norm_affine(gm: fx.GraphModule) -> fx.GraphModule:
         if bias_arg:
             kwargs[bias_arg] = None
         node.args, node.kwargs = (), kwargs
-        with gm.graph.inserting_after(node):
-            scaled = gm.graph.call_function(affine, (node, weight, bias, dim))
-        scaled.meta.update(node.meta)
-        node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+        outputs = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0] \
+            if target in TUPLE_NORMS else [node]
+        for out in outputs:
+            with gm.graph.inserting_after(out):
+                scaled = gm.graph.call_function(affine, (out, weight, bias, dim))
+            scaled.meta.update(out.meta)
+            out.replace_all_uses_with(scaled, delete_user_cb=lambda user, s=scaled: user is not s)
     gm.recompile()
     return gm

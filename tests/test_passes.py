@@ -298,3 +298,22 @@ def test_blocks_are_not_fused_where_it_would_not_be_exact():
 
     for model in (Leaky(), Mixing(), build("shared", 0)):
         assert all(kind != "fused" for _, kind in _kinds(model)), type(model).__name__
+
+
+def test_native_layer_norm_of_decomposed_graphs_is_split_and_rotated():
+    """Graphs decomposed below the training IR use aten.native_layer_norm (a tuple)."""
+    class Decomposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.randn(6)), nn.Parameter(torch.randn(6))
+
+        def forward(self, x):
+            out, mean, rstd = torch.ops.aten.native_layer_norm(x, [6], self.weight, self.bias,
+                                                               1e-5)
+            return out * 2 + mean
+
+    model = Decomposed()
+    prog = rtp_compile.transform(model, 2)
+    assert [(u.kind, u.call.rule.name) for u in prog.plan.units] == [("rotate", "elementwise")]
+    x = torch.randn(3, 6)
+    assert torch.allclose(rtp_compile.transform(model, 1).module(0)(x), model(x), atol=1e-12)
