@@ -98,7 +98,8 @@ def _find_block(tail: Unit, nodes, units_by_node, hidden: int):
         seen.add(node)
         unit = units_by_node.get(node.name)
         if unit is not None:
-            if not (unit.kind == "rotate" and unit.call.rule.name == "linear"):
+            if not (unit.kind == "rotate" and unit.call.rule.name == "linear"
+                    and unit.mode == "col"):
                 return None
             heads.append(unit)
             continue

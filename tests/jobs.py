@@ -58,48 +58,54 @@ def gathered_grads(prog, gm) -> dict[str, torch.Tensor]:
     return out
 
 
+def train_next_to_ddp(prog, gm, model, batches, seed: int, call, output) -> dict:
+    """Train the rank module and a DDP replica of `model` side by side on `batches` with AdamW;
+    max relative errors of the first output (vs the unsharded model), the first gradients and
+    the parameters after every step (vs DDP). `call(module, batch)` runs a module on a batch,
+    `output(result)` picks the tensor the loss is taken on."""
+    for pname, layout in prog.plan.params.items():  # no parameter is a full replica
+        assert tuple(gm.get_parameter(pname).shape) == layout.shard_shape, pname
+    reference = copy.deepcopy(model)
+    ddp = DDP(copy.deepcopy(model))
+    # eps=1e-6: gradients that are zero in exact arithmetic (attention's key bias) are rounding
+    # noise in both runs, and Adam's g/(|g|+eps) would amplify it to ~1e-9 with the default eps;
+    # the gradients themselves are compared directly.
+    opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1, eps=1e-6)
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1, eps=1e-6)
+    errors = {"output": 0.0, "grad": 0.0, "param": 0.0}
+    losses = []  # an ordinary loop keeps its losses (and their graphs) for logging
+    for step, inputs in enumerate(batches):
+        out = call(gm, inputs)
+        if step == 0:
+            errors["output"] = rel_err(output(out), output(call(reference, inputs)))
+        losses.append(loss_of(output(out), seed + step))
+        losses[-1].backward()
+        loss_of(output(call(ddp, inputs)), seed + step).backward()
+        if step == 0:
+            errors["grad"] = grad_errors(gathered_grads(prog, gm), {
+                n: ddp.module.get_parameter(n).grad for n in prog.plan.params})
+        opt.step()
+        ddp_opt.step()
+        opt.zero_grad()
+        ddp_opt.zero_grad()
+        errors["param"] = max(errors["param"], param_errors(
+            prog.full_state_dict(gm), ddp.module.state_dict(),
+            [n for n, _ in model.named_parameters()]))
+    return errors
+
+
 def parity(rank: int, world_size: int, names: list[str], seed: int, steps: int = 3,
            captures=("fx", "export")) -> dict:
-    """Per model and capture path: max relative errors of the output (vs the unsharded model),
-    the gradients after the first backward (vs DDP) and the parameters after every AdamW step
-    (vs DDP's)."""
+    """Per model of tests/zoo.py and capture path: train_next_to_ddp's errors."""
     results = {}
     for name in names:
         for capture in captures:
             model = build(name, seed)
             example = (batch(name, seed, rank, 0),) if capture == "export" else None
             prog = rtp_compile.transform(model, world_size, example_inputs=example)
-            gm = prog.module(rank)
-            for pname, layout in prog.plan.params.items():  # no parameter is a full replica
-                assert tuple(gm.get_parameter(pname).shape) == layout.shard_shape, pname
-            reference = copy.deepcopy(model)
-            ddp = DDP(copy.deepcopy(model))
-            # eps=1e-6: gradients that are zero in exact arithmetic (attention's key bias) are
-            # rounding noise (~1e-17) in both runs, and Adam's g/(|g|+eps) would amplify that
-            # noise to ~1e-9 with the default eps; the gradients themselves are compared above.
-            opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1, eps=1e-6)
-            ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1, eps=1e-6)
-            errors = {"output": 0.0, "grad": 0.0, "param": 0.0}
-            losses = []  # an ordinary loop keeps its losses (and their graphs) for logging
-            for step in range(steps):
-                x = batch(name, seed, rank, step)
-                out = gm(x)
-                if step == 0:
-                    errors["output"] = rel_err(out, reference(x))
-                losses.append(loss_of(out, seed + step))
-                losses[-1].backward()
-                loss_of(ddp(x), seed + step).backward()
-                if step == 0:
-                    errors["grad"] = grad_errors(gathered_grads(prog, gm), {
-                        n: ddp.module.get_parameter(n).grad for n in prog.plan.params})
-                opt.step()
-                ddp_opt.step()
-                opt.zero_grad()
-                ddp_opt.zero_grad()
-                errors["param"] = max(errors["param"], param_errors(
-                    prog.full_state_dict(gm), ddp.module.state_dict(),
-                    [n for n, _ in model.named_parameters()]))
-            results[(name, capture)] = errors
+            batches = [batch(name, seed, rank, step) for step in range(steps)]
+            results[(name, capture)] = train_next_to_ddp(
+                prog, prog.module(rank), model, batches, seed, lambda m, x: m(x), lambda o: o)
     return results
 
 
@@ -282,35 +288,14 @@ def hf_parity(rank: int, world_size: int, names: list[str], seed: int, steps: in
     results = {}
     for name in names:
         model = build_hf(name, seed)
-        first = hf_batch(name, seed, rank, 0)
+        batches = [hf_batch(name, seed, rank, step) for step in range(steps)]
         prog = rtp_compile.transform(model, world_size,
-                                     example_kwargs=first if HF_ZOO[name][3] else None)
+                                     example_kwargs=batches[0] if HF_ZOO[name][3] else None)
         gm = prog.module(rank)
-        reference = copy.deepcopy(model)
-        ddp = DDP(copy.deepcopy(model))
-        opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1, eps=1e-6)
-        ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1, eps=1e-6)
-        errors = {"output": 0.0, "grad": 0.0, "param": 0.0}
-        for step in range(steps):
-            inputs = hf_batch(name, seed, rank, step)
-            out = gm(**inputs)
-            if step == 0:
-                errors["output"] = rel_err(logits_of(out), logits_of(reference(**inputs)))
-                results[(name, "type")] = (type(out).__name__,
-                                           type(reference(**inputs)).__name__)
-            loss_of(logits_of(out), seed + step).backward()
-            loss_of(logits_of(ddp(**inputs)), seed + step).backward()
-            if step == 0:
-                errors["grad"] = grad_errors(gathered_grads(prog, gm), {
-                    n: ddp.module.get_parameter(n).grad for n in prog.plan.params})
-            opt.step()
-            ddp_opt.step()
-            opt.zero_grad()
-            ddp_opt.zero_grad()
-            errors["param"] = max(errors["param"], param_errors(
-                prog.full_state_dict(gm), ddp.module.state_dict(),
-                [n for n, _ in model.named_parameters()]))
-        results[name] = errors
+        results[(name, "type")] = (type(gm(**batches[0])).__name__,
+                                   type(model(**batches[0])).__name__)
+        results[name] = train_next_to_ddp(prog, gm, model, batches, seed,
+                                          lambda m, inputs: m(**inputs), logits_of)
         results[(name, "report")] = prog.report()
     return results
 
