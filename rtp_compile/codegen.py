@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch import nn
 
 from rtp_compile.runtime import ring  # noqa: F401  (registers torch.ops.rtp.*)
-from rtp_compile.runtime.ring import BufferBroadcast, JobCheck
+from rtp_compile.runtime.ring import BufferBroadcast, JobCheck, unpack
 from rtp_compile.op_rules import Combine
 from rtp_compile.passes.plan import Plan
 from rtp_compile.passes.rotate import fused_unit, gathered_op, rotation_unit
@@ -148,7 +148,7 @@ class RankEmitter:
         return nn.Parameter(shard, requires_grad=full.requires_grad)
 
     # -- units -------------------------------------------------------------------------------
-    def _unrolled_steps(self, name, x_node, params, roles, compute):
+    def _unrolled_steps(self, name, x_node, params, roles, layouts, compute):
         """Detach, then the forward schedule of unit `name`: ring hops started and waited,
         `compute(step, shard, x, shards)` for each step (proxies in, a proxy or None out).
         Returns the combined-by-sum-or-cat parts by shard."""
@@ -159,6 +159,7 @@ class RankEmitter:
         own = [self.tracer.create_node("call_method", "detach", (p,), {}, name=f"{name}_{r}0")
                for p, r in zip(params, roles)]
         proxy = lambda n: fx.Proxy(n, self.tracer)
+        specs = [(lay.shard_shape, lay.dtype) for lay in layouts]
         held, received, outputs = own, None, {}
         for event in forward_schedule(self.n):
             k = event.step
@@ -171,10 +172,10 @@ class RankEmitter:
             elif event.action == "wait":
                 self.tracer.create_node("call_function", torch.ops.rtp.ring_wait.default,
                                         (received,), {}, name=f"{name}_wait{k}")
-                held = [self.tracer.create_node("call_function", operator.getitem,
-                                                (received, i), {},
-                                                name=f"{name}_{r.replace('.', '_')}{k}")
-                        for i, r in enumerate(roles)]
+                views = unpack(proxy(received), specs)
+                for view, r in zip(views, roles):
+                    view.node._rename(f"{name}_{r.replace('.', '_')}{k}")
+                held = [view.node for view in views]
             else:
                 s = forward_shard(self.rank, k, self.n)
                 out = compute(k, s, proxy(x_d), {r: proxy(h) for r, h in zip(roles, held)})
@@ -212,7 +213,7 @@ class RankEmitter:
             slots = {r: lay.slot(s) for r, lay in zip(roles, layouts)}
             return rule.forward_step(mode, options, x_p, shards, slots, shapes)
 
-        parts = self._unrolled_steps(name, x_node, params, roles, compute)
+        parts = self._unrolled_steps(name, x_node, params, roles, layouts, compute)
         y = self._combine(name, parts, rule.combine(mode, options, shapes))
         self.root[f"rtp_units.{name}"] = RotationUnit(
             name, unit.call, mode, layouts, self.rank, self.n, self.group_name, self.tags[name],
@@ -244,7 +245,7 @@ class RankEmitter:
             hidden = body(*heads)
             return LINEAR.row_partial(fusion.tail.call.options, hidden, *tail)
 
-        parts = self._unrolled_steps(name, x_node, params, roles, compute)
+        parts = self._unrolled_steps(name, x_node, params, roles, layouts, compute)
         y = self._combine(name, parts, Combine("sum"))
         self.root[f"rtp_units.{name}"] = FusedUnit(
             name, fusion, roles, layouts, body, self.rank, self.n, self.group_name,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.distributed as dist
@@ -110,15 +111,17 @@ def parity(rank: int, world_size: int, names: list[str], seed: int, steps: int =
 
 
 class ShardBufferTracker(torch.utils._python_dispatch.TorchDispatchMode):
-    """Watches every tensor any op creates: how many shard-sized buffers of each watched weight
-    are alive at once (by storage), and whether a full-size one ever appears."""
+    """Watches every tensor any op creates: how many ring buffers of each unit (one flat
+    message: one shard of each of its parameters) are alive at once, by storage, and whether
+    any tensor of a weight's full size ever appears."""
 
-    def __init__(self, watched: dict[str, tuple[int, int]], owned: set[int]):
+    def __init__(self, units: dict[str, int], full: dict[str, int], owned: set[int]):
         super().__init__()
-        self.watched = watched      # name -> (shard bytes, full bytes)
+        self.units = units          # unit -> bytes of one flat message (its shards)
+        self.full = full            # weight -> bytes of the full weight
         self.owned = owned          # storages of the rank's own parameters: not transient
-        self.alive: dict[str, dict[int, object]] = {n: {} for n in watched}
-        self.peak: dict[str, int] = {n: 0 for n in watched}
+        self.alive: dict[str, dict[int, object]] = {n: {} for n in units}
+        self.peak: dict[str, int] = {n: 0 for n in units}
         self.full_size: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -128,10 +131,11 @@ class ShardBufferTracker(torch.utils._python_dispatch.TorchDispatchMode):
             if not isinstance(t, torch.Tensor):
                 continue
             storage = t.untyped_storage()
-            for name, (shard_bytes, full_bytes) in self.watched.items():
+            for name, full_bytes in self.full.items():
                 if storage.nbytes() == full_bytes or t.numel() * t.element_size() == full_bytes:
                     self.full_size.append(f"{func} made a {tuple(t.shape)} tensor ({name} size)")
-                if storage.nbytes() == shard_bytes and storage.data_ptr() not in self.owned:
+            for name, unit_bytes in self.units.items():
+                if storage.nbytes() == unit_bytes and storage.data_ptr() not in self.owned:
                     self.alive[name][storage.data_ptr()] = weakref.ref(storage)
         for name, refs in self.alive.items():
             for key in [k for k, r in refs.items() if r() is None]:
@@ -140,26 +144,25 @@ class ShardBufferTracker(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
     def reset_peaks(self):
-        self.peak = {n: 0 for n in self.watched}
+        self.peak = {n: 0 for n in self.units}
 
 
 def buffer_peaks(rank: int, world_size: int, seed: int) -> dict:
-    """Peak number of live shard-sized buffers per rotated weight, forward and backward, for a
-    model whose weights have unique sizes (no activation shares their byte size)."""
+    """Peak number of live ring buffers per unit, forward and backward, for a model whose
+    sizes are unique (no activation shares a unit's or a weight's byte size)."""
     from torch import nn
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 19), nn.Tanh(),
                           nn.Linear(19, 3)).double()
     prog = rtp_compile.transform(model, world_size)
     gm = prog.module(rank)
-    watched = {}
-    for name, layout in prog.plan.params.items():
-        if name.endswith("weight"):
-            full = int(torch.tensor(layout.shape).prod()) * 8
-            watched[name] = (layout.shard_bytes, full)
-    x = torch.randn(9, 24, dtype=torch.float64, requires_grad=True)  # no activation of a shard's size
+    units = {u.name: sum(prog.plan.params[p].shard_bytes for p in u.params.values())
+             for u in prog.plan.units}
+    full = {name: math.prod(lay.shape) * 8 for name, lay in prog.plan.params.items()
+            if name.endswith("weight")}
+    x = torch.randn(9, 24, dtype=torch.float64, requires_grad=True)  # no activation of those sizes
     owned = {p.untyped_storage().data_ptr() for p in gm.parameters()}
-    with ShardBufferTracker(watched, owned) as tracker:
+    with ShardBufferTracker(units, full, owned) as tracker:
         loss = gm(x).pow(2).sum()
         forward = dict(tracker.peak)
         tracker.reset_peaks()
@@ -171,7 +174,8 @@ def buffer_peaks(rank: int, world_size: int, seed: int) -> dict:
                 for name, refs in tracker.alive.items()}
     from rtp_compile.runtime import ring
     return {"forward": forward, "backward": backward, "full_size": tracker.full_size,
-            "leftover": leftover, "pending": len(ring._pending)}
+            "leftover": leftover, "pending": len(ring._pending),
+            "kinds": sorted(u.kind for u in prog.plan.units)}
 
 
 def no_grad_then_train(rank: int, world_size: int, seed: int) -> dict:

@@ -245,11 +245,25 @@ def test_ring_ops_have_fake_implementations():
     """Graphs with ring ops trace under FakeTensorMode without any communication."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     import rtp_compile.runtime.ring  # noqa: F401
+    from rtp_compile.runtime.ring import unpack
     with FakeTensorMode():
-        w = torch.empty(3, 4)
-        (received,) = torch.ops.rtp.ring_shift_start([w], "", 1, 0, "fake")
-        torch.ops.rtp.ring_wait([received])
-    assert received.shape == (3, 4)
+        w, b = torch.empty(3, 4), torch.empty(3)
+        received = torch.ops.rtp.ring_shift_start([w, b], "", 1, 0, "fake")
+        torch.ops.rtp.ring_wait(received)
+        views = unpack(received, [((3, 4), torch.float64), ((3,), torch.float64)])
+    assert received.shape == (15,) and [v.shape for v in views] == [(3, 4), (3,)]
+
+
+def test_one_flat_message_per_hop_packs_mixed_dtypes_aligned():
+    from rtp_compile.runtime.ring import pack, specs_of, unpack
+    tensors = [torch.randn(3, 5), torch.randn(7).to(torch.bfloat16), torch.arange(4)]
+    flat = pack(tensors)
+    assert flat.dtype == torch.uint8
+    views = unpack(flat, specs_of(tensors))
+    assert all(torch.equal(v, t) and v.dtype == t.dtype for v, t in zip(views, tensors))
+    assert pack(views).data_ptr() == flat.data_ptr()  # what arrived passes on without a copy
+    same = [torch.randn(2, 3), torch.randn(3)]
+    assert pack(same).dtype == same[0].dtype and pack(same).shape == (9,)
 
 
 def _kinds(model, **kw):

@@ -1,13 +1,15 @@
 """Ring communication for rotation units: shift a list of shards one hop around the ring.
 
 `ring_shift_start` sends the given tensors to rank (r + shift) and receives same-shaped tensors
-from rank (r - shift); `ring_wait` blocks until both directions finished. They are
+from rank (r - shift), all of them as one flat message; `ring_wait` blocks until both directions
+finished. They are
 `torch.library` custom ops (with fake implementations) so emitted graphs stay traceable; the
 pending work lives in a registry keyed by the receive buffers, as functional collectives do.
 """
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 
 import torch
@@ -53,29 +55,82 @@ def group_timeout(group) -> datetime.timedelta:
             return DEFAULT_TIMEOUT
 
 
+def flat_layout(specs: list[tuple[tuple[int, ...], torch.dtype]]):
+    """Where each (shape, dtype) sits in one flat message: (flat dtype, total length, offsets).
+    One dtype: a flat tensor of it. Mixed dtypes: bytes, each tensor 16-byte aligned."""
+    dtypes = {dtype for _, dtype in specs}
+    if len(dtypes) == 1:
+        sizes = [math.prod(shape) for shape, _ in specs]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        return dtypes.pop(), sum(sizes), offsets
+    offsets, end = [], 0
+    for shape, dtype in specs:
+        end = -(-end // 16) * 16
+        offsets.append(end)
+        end += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.uint8, end, offsets
+
+
+def unpack(flat: torch.Tensor, specs) -> list[torch.Tensor]:
+    """Views of a flat message shaped and typed like `specs` [(shape, dtype)] (`flat` may be an
+    fx Proxy: everything but the tensor ops is computed from `specs`)."""
+    flat_dtype, _, offsets = flat_layout(specs)
+    views = []
+    for (shape, dtype), offset in zip(specs, offsets):
+        if flat_dtype == dtype:
+            views.append(flat.narrow(0, offset, math.prod(shape)).view(shape))
+        else:
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            views.append(flat.narrow(0, offset, nbytes).view(dtype).view(shape))
+    return views
+
+
+def specs_of(tensors: list[torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    return [(tuple(t.shape), t.dtype) for t in tensors]
+
+
+def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One flat message holding `tensors`: no copy when they already lie in one buffer the way
+    `unpack` lays them out (what arrived by the ring is passed on as it is)."""
+    specs = specs_of(tensors)
+    dtype, total, offsets = flat_layout(specs)
+    item = torch.empty((), dtype=dtype).element_size()
+    storage, start = tensors[0].untyped_storage(), tensors[0].data_ptr()
+    in_place = (start - storage.data_ptr()) % item == 0 and \
+        start - storage.data_ptr() + total * item <= storage.nbytes() and \
+        all(t.is_contiguous() and t.untyped_storage().data_ptr() == storage.data_ptr()
+            and t.data_ptr() == start + offset * item for t, offset in zip(tensors, offsets))
+    if in_place:
+        return tensors[0].new_empty(0, dtype=dtype).set_(
+            storage, (start - storage.data_ptr()) // item, (total,))
+    flat = tensors[0].new_empty(total, dtype=dtype)
+    for view, t in zip(unpack(flat, specs), tensors):
+        view.copy_(t)
+    return flat
+
+
 def shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: int,
-                where: str) -> list[torch.Tensor]:
-    """Start sending `tensors` to rank r+shift and receiving their successors from r-shift."""
+                where: str) -> torch.Tensor:
+    """Start sending `tensors` to rank r+shift and receiving their successors from r-shift, as
+    one flat message; returns the (not yet filled) flat receive buffer, see `unpack`."""
     group = resolve_group(group_name)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     dst = dist.get_global_rank(group, (rank + shift) % size)
     src = dist.get_global_rank(group, (rank - shift) % size)
-    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    ops = []
-    for i, (out, inp) in enumerate(zip(tensors, received)):
-        ops.append(dist.P2POp(dist.isend, out.contiguous(), dst, group, tag * 8 + i))
-        ops.append(dist.P2POp(dist.irecv, inp, src, group, tag * 8 + i))
-    works = dist.batch_isend_irecv(ops)
+    outgoing = pack(tensors)
+    received = torch.empty_like(outgoing)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, dst, group, tag),
+                                    dist.P2POp(dist.irecv, received, src, group, tag)])
     traffic["hops"] += 1
-    traffic["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
-    _pending[received[0].untyped_storage().data_ptr()] = _PendingShift(
-        works, [op.tensor for op in ops[::2]], group_timeout(group), where)
+    traffic["bytes"] += outgoing.numel() * outgoing.element_size()
+    _pending[received.untyped_storage().data_ptr()] = _PendingShift(
+        works, [outgoing], group_timeout(group), where)
     return received
 
 
-def wait(received: list[torch.Tensor]) -> None:
+def wait(received: torch.Tensor) -> None:
     """Block until the shift that produced `received` has finished, within the group timeout."""
-    pending = _pending.pop(received[0].untyped_storage().data_ptr(), None)
+    pending = _pending.pop(received.untyped_storage().data_ptr(), None)
     if pending is None:
         raise RuntimeError("rtp_compile: ring_wait on buffers with no shift in flight")
     timeout = pending.timeout
@@ -91,18 +146,20 @@ def wait(received: list[torch.Tensor]) -> None:
 
 @torch.library.custom_op("rtp::ring_shift_start", mutates_args=())
 def ring_shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: int,
-                     where: str) -> list[torch.Tensor]:
-    """Graph op: start one ring hop of `tensors`; returns the (not yet filled) receive buffers."""
+                     where: str) -> torch.Tensor:
+    """Graph op: start one ring hop of `tensors`; returns the (not yet filled) flat receive
+    buffer, which `unpack` views as tensors like `tensors`."""
     return shift_start(tensors, group_name, shift, tag, where)
 
 
 @ring_shift_start.register_fake
 def _(tensors, group_name, shift, tag, where):
-    return [torch.empty_like(t) for t in tensors]
+    dtype, total, _ = flat_layout(specs_of(tensors))
+    return tensors[0].new_empty(total, dtype=dtype)
 
 
 @torch.library.custom_op("rtp::ring_wait", mutates_args=("received",))
-def ring_wait(received: list[torch.Tensor]) -> None:
+def ring_wait(received: torch.Tensor) -> None:
     """Graph op: wait for the hop that fills `received` (and for our own send to finish)."""
     wait(received)
 

@@ -36,11 +36,13 @@ class GradientRing:
         self.incoming: list[torch.Tensor] | None = None
 
     def receive(self) -> None:
-        if self.incoming is None:
-            self.acc = [self.like.new_zeros(lay.shard_shape) for lay in self.layouts]
+        specs = [(lay.shard_shape, self.like.dtype) for lay in self.layouts]
+        if self.incoming is None:  # one flat buffer: each hop passes it on without packing
+            dtype, total, _ = ring.flat_layout(specs)
+            self.acc = ring.unpack(self.like.new_zeros(total, dtype=dtype), specs)
         else:
             ring.wait(self.incoming)
-            self.acc, self.incoming = self.incoming, None
+            self.acc, self.incoming = ring.unpack(self.incoming, specs), None
 
     def real_parts(self, shard: int) -> list[torch.Tensor]:
         return [_real_part(a, lay, lay.slot(shard)) for a, lay in zip(self.acc, self.layouts)]
@@ -122,7 +124,7 @@ class RingUnit(nn.Module):
                                             f"{where}: weight hop {j}")
             elif action == "fetch_wait":
                 ring.wait(incoming)
-                held = incoming
+                held = ring.unpack(incoming, ring.specs_of(own))
             elif action == "input_grad":
                 self.step_input_grad(s, dy, x, shards, slots, saved, dx, scratch)
             elif action == "receive_grad" and need_dw:
@@ -160,9 +162,9 @@ def ring_all_gather(own: list[torch.Tensor], layouts, rank: int, world_size: int
     shards = {rank: own}
     held = own
     for k in range(1, world_size):
-        held = ring.shift_start(held, group_name, 1, tag, f"{where}: gather hop {k}")
-        ring.wait(held)
-        shards[(rank - k) % world_size] = held
+        received = ring.shift_start(held, group_name, 1, tag, f"{where}: gather hop {k}")
+        ring.wait(received)
+        held = shards[(rank - k) % world_size] = ring.unpack(received, ring.specs_of(own))
     return [lay.unshard([shards[s][i] for s in range(world_size)])
             for i, lay in enumerate(layouts)]
 
