@@ -275,10 +275,13 @@ def run_program_of(rank: int, world_size: int, program_world_size: int, module_r
 
 
 def stall_one_rank(rank: int, world_size: int) -> None:
-    """Rank 1 stays alive but never joins the ring: rank 0 must fail by the group timeout."""
+    """Rank 1 stays alive but never joins the ring: rank 0 must fail by the timeout of the
+    group the module runs on (5 s; the job's own is long, so a slow start does not matter)."""
+    import datetime
     import time
+    group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=5))
     prog = rtp_compile.transform(build("mlp", 0), world_size)
-    gm = prog.module(rank)
+    gm = prog.module(rank, group=group)
     if rank == 1:
         time.sleep(60)
     gm(batch("mlp", 0, rank, 0))

@@ -92,6 +92,6 @@ def test_module_of_another_rank_fails_with_a_clear_error():
 def test_a_stalled_rank_makes_the_others_fail_within_the_group_timeout():
     start = time.monotonic()
     with pytest.raises(rtp_compile.RankError) as err:
-        rtp_compile.launch(stall_one_rank, 2, timeout=5)
+        rtp_compile.launch(stall_one_rank, 2, timeout=60)
     assert time.monotonic() - start < 45
     assert err.value.rank == 0 and "ring" in str(err.value)
