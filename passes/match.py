@@ -33,10 +33,9 @@ def _transposed_param(value, reads):
     if value in reads:
         return reads[value], False
     if isinstance(value, fx.Node) and value.args and value.args[0] in reads:
-        is_t = (value.op == "call_method" and value.target == "t") or value.target in (
-            aten.t.default, torch.t)
+        is_t = value.target in ("t", aten.t.default, torch.t)
         is_swap = value.target in ("transpose", aten.transpose.int, torch.transpose) and \
-            sorted(a % 2 for a in value.args[1:3]) == [0, 1] if len(value.args) >= 3 else False
+            len(value.args) == 3 and {d % 2 for d in value.args[1:]} == {0, 1}
         if is_t or is_swap:
             return reads[value.args[0]], True
     return None, False

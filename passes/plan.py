@@ -51,13 +51,16 @@ class ParamLayout:
         offset = min(s * self.shard_len, self.extent)  # a shard past the end: empty, at the end
         return Slot(offset, min(self.shard_len, self.extent - offset), self.shard_len)
 
+    def real_part_of(self, full: torch.Tensor, s: int) -> torch.Tensor:
+        """The part of the full tensor that shard s holds (a view, without padding)."""
+        src = full.reshape(-1) if self.dim is None else full
+        slot = self.slot(s)
+        return src.narrow(self.dim or 0, slot.offset, slot.valid)
+
     def shard(self, full: torch.Tensor, s: int) -> torch.Tensor:
         """Shard s of the full tensor, zero-padded to `shard_shape` (a new tensor)."""
-        src = full.reshape(-1) if self.dim is None else full
-        dim = 0 if self.dim is None else self.dim
-        slot = self.slot(s)
         out = torch.zeros(self.shard_shape, dtype=full.dtype, device=full.device)
-        out.narrow(dim, 0, slot.valid).copy_(src.narrow(dim, slot.offset, slot.valid))
+        out.narrow(self.dim or 0, 0, self.slot(s).valid).copy_(self.real_part_of(full, s))
         return out
 
     def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:

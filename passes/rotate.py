@@ -14,6 +14,7 @@ see a shard where it expects the full tensor.
 from __future__ import annotations
 
 import copy
+import operator
 
 import torch
 import torch.fx as fx
@@ -69,15 +70,8 @@ def gather_body(gm: fx.GraphModule, node: fx.Node, closure: list[fx.Node]) -> tu
     root = {}
     for n in graph.nodes:
         if n.op in ("get_attr", "call_module"):
-            root[n.target] = _meta_copy(_attr(gm, n.target))
+            root[n.target] = _meta_copy(operator.attrgetter(n.target)(gm))
     return fx.GraphModule(root, graph, class_name=f"Gathered_{node.name}"), inputs
-
-
-def _attr(gm, target):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def rotate(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, dict[str, fx.GraphModule]]:

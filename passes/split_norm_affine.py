@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from rtp_compile.op_rules import affine
-from rtp_compile.passes.match import op_key
+from rtp_compile.passes.match import op_key, parameter_reads
 from rtp_compile.passes.lower_modules import batch_norm_module
 
 aten = torch.ops.aten
@@ -36,20 +36,9 @@ NORMS = {
 TUPLE_NORMS = {aten.native_layer_norm.default}
 
 
-def _is_param(gm: fx.GraphModule, value) -> bool:
-    return (isinstance(value, fx.Node) and value.op == "get_attr"
-            and isinstance(_attr(gm, value.target), torch.nn.Parameter))
-
-
-def _attr(gm, target):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
-
-
 def split_norm_affine(gm: fx.GraphModule) -> fx.GraphModule:
     """Move the weight and bias of every norm with parameters into an `affine` node after it."""
+    reads = parameter_reads(gm)
     for node in list(gm.graph.nodes):
         target = op_key(node.target)
         if node.op != "call_function" or target not in NORMS:
@@ -61,7 +50,7 @@ def split_norm_affine(gm: fx.GraphModule) -> fx.GraphModule:
         kwargs = dict(bound.kwargs)
         weight = kwargs.get(weight_arg)
         bias = kwargs.get(bias_arg) if bias_arg else None
-        if not any(_is_param(gm, v) for v in (weight, bias)):
+        if not any(v in reads for v in (weight, bias) if isinstance(v, fx.Node)):
             continue
         kwargs[weight_arg] = None
         if bias_arg:

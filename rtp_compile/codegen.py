@@ -55,13 +55,6 @@ def _install(root: nn.Module, target: str, value: torch.Tensor) -> None:
         module.register_buffer(leaf, value)
 
 
-def _attr(module, target):
-    obj = module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def job_of(gm: nn.Module) -> JobCheck:
     """The world size, rank and group name an emitted module was built for."""
     job = getattr(gm, "rtp_job", None)
@@ -134,7 +127,7 @@ class RankEmitter:
             if node.target in self.plan.params:
                 self.root[node.target] = self._shard(node.target)
             else:
-                value = _attr(self.src, node.target)
+                value = operator.attrgetter(node.target)(self.src)
                 self.root[node.target] = value.detach().clone().to(self.device or value.device) \
                     if isinstance(value, torch.Tensor) else value
         elif node.op == "call_module" and node.target not in self.root:

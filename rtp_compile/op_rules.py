@@ -72,7 +72,7 @@ class Rule:
         raise NotImplementedError
 
 
-def _part(t: torch.Tensor, dim: int, slot: Slot) -> torch.Tensor:
+def real_part(t: torch.Tensor, dim: int, slot: Slot) -> torch.Tensor:
     """The real (unpadded) entries of a padded shard."""
     return t if slot.valid == slot.length else t.narrow(dim, 0, slot.valid)
 
@@ -96,14 +96,14 @@ class LinearRule(Rule):
     @staticmethod
     def weight_as_out_in(options, shard, dim, slot):
         """The real part of a weight shard, viewed [out, in] whatever its storage."""
-        w = _part(shard, dim, slot)
+        w = real_part(shard, dim, slot)
         return w.t() if options.get("transposed") else w  # always [out, in] from here on
 
     def forward_step(self, mode, options, x, shards, slots, shapes):
         if mode == "col":
             w = self.weight_as_out_in(options, shards["weight"], self.weight_dim(mode, options),
                                       slots["weight"])
-            b = _part(shards["bias"], 0, slots["bias"]) if "bias" in shards else None
+            b = real_part(shards["bias"], 0, slots["bias"]) if "bias" in shards else None
             return F.linear(x, w, b)
         ws = slots["weight"]
         return self.row_partial(options, x.narrow(-1, ws.offset, ws.valid), shards, slots, shapes)
@@ -158,7 +158,7 @@ class LinearRule(Rule):
 
 def _bias_in_slot(bias_shard, slot: Slot, total: int):
     """A bias shard zero-padded to the full output width, so a summed step adds it once."""
-    return F.pad(_part(bias_shard, 0, slot), (slot.offset, total - slot.offset - slot.valid))
+    return F.pad(real_part(bias_shard, 0, slot), (slot.offset, total - slot.offset - slot.valid))
 
 
 class ConvRule(Rule):
@@ -179,11 +179,11 @@ class ConvRule(Rule):
     def forward_step(self, mode, options, x, shards, slots, shapes):
         wdim = self.modes(shapes, options)[mode]["weight"]
         ws = slots["weight"]
-        w = _part(shards["weight"], wdim, ws)
+        w = real_part(shards["weight"], wdim, ws)
         if mode == "col":
             if ws.valid == 0:
                 return None  # an all-padding shard adds no output channel
-            b = _part(shards["bias"], 0, slots["bias"]) if "bias" in shards else None
+            b = real_part(shards["bias"], 0, slots["bias"]) if "bias" in shards else None
             return torch.convolution(x, w, b, *self._args(options))
         y = None if ws.valid == 0 else torch.convolution(
             x.narrow(1, ws.offset, ws.valid), w, None, *self._args(options))
@@ -197,7 +197,7 @@ class ConvRule(Rule):
         """(output grad, input, weight) of this step's convolution."""
         wdim = self.modes(shapes, options)[mode]["weight"]
         ws = slots["weight"]
-        w = _part(shards["weight"], wdim, ws)
+        w = real_part(shards["weight"], wdim, ws)
         if mode == "col":
             return dy.narrow(1, ws.offset, ws.valid), x, w
         return dy, x.narrow(1, ws.offset, ws.valid), w
@@ -234,7 +234,7 @@ class EmbeddingRule(Rule):
         return Combine("cat", -1)
 
     def forward_step(self, mode, options, x, shards, slots, shapes):
-        return F.embedding(x, _part(shards["weight"], 1, slots["weight"]))
+        return F.embedding(x, real_part(shards["weight"], 1, slots["weight"]))
 
     def input_grad(self, mode, options, dy, x, shards, slots, shapes, dx):
         pass  # indices have no gradient
@@ -289,8 +289,8 @@ class ElementwiseRule(Rule):
         pdim, xdim = self._mode_dims(mode, options, shapes)
         slot = next(iter(slots.values()))
         x_s = x.narrow(xdim, slot.offset, slot.valid)
-        weight = _part(shards["weight"], pdim, slot) if "weight" in shards else None
-        bias = _part(shards["bias"], pdim, slot) if "bias" in shards else None
+        weight = real_part(shards["weight"], pdim, slot) if "weight" in shards else None
+        bias = real_part(shards["bias"], pdim, slot) if "bias" in shards else None
         return affine(x_s, weight, bias, options["dim"])
 
     def _step_operands(self, mode, options, dy, x, slots, shapes):
@@ -301,7 +301,7 @@ class ElementwiseRule(Rule):
 
     def input_grad(self, mode, options, dy, x, shards, slots, shapes, dx):
         pdim, xdim, slot, x_s, dy_s = self._step_operands(mode, options, dy, x, slots, shapes)
-        weight = _part(shards["weight"], pdim, slot) if "weight" in shards else None
+        weight = real_part(shards["weight"], pdim, slot) if "weight" in shards else None
         dx_s = dy_s if weight is None else affine(dy_s, weight, None, options["dim"])
         dx.narrow(xdim, slot.offset, slot.valid).add_(dx_s.sum_to_size(x_s.shape))
 

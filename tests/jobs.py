@@ -47,14 +47,14 @@ def loss_of(out: torch.Tensor, seed: int) -> torch.Tensor:
     return (out * weights).sum() + 0.1 * out.pow(2).sum()
 
 
-def gathered_grads(prog, gm) -> dict[str, torch.Tensor]:
-    """Every parameter's full gradient, from the shards' .grad of all ranks."""
+def gathered_grads(prog, gm, group=None) -> dict[str, torch.Tensor]:
+    """Every parameter's full gradient, from the shards' .grad of all ranks of `group`."""
     out = {}
     for name, layout in prog.plan.params.items():
         g = gm.get_parameter(name).grad
         g = torch.zeros(layout.shard_shape, dtype=layout.dtype) if g is None else g
-        shards = [torch.empty_like(g) for _ in range(dist.get_world_size())]
-        dist.all_gather(shards, g.contiguous())
+        shards = [torch.empty_like(g) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, g.contiguous(), group=group)
         out[name] = layout.unshard(shards)
     return out
 
@@ -257,12 +257,7 @@ def subgroup_programs(rank: int, world_size: int, seed: int) -> dict:
     loss_of(gm(x), seed).backward()
     ddp = DDP(copy.deepcopy(model), process_group=group)
     loss_of(ddp(x), seed).backward()
-    grads = {}
-    for name, layout in prog.plan.params.items():
-        g = gm.get_parameter(name).grad
-        shards = [torch.empty_like(g) for _ in range(2)]
-        dist.all_gather(shards, g.contiguous(), group=group)
-        grads[name] = layout.unshard(shards)
+    grads = gathered_grads(prog, gm, group)
     return {"output": rel_err(gm(x), model(x)),
             "grad": grad_errors(grads, {n: ddp.module.get_parameter(n).grad for n in grads})}
 

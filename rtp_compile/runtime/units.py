@@ -14,14 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rtp_compile.op_rules import real_part
 from rtp_compile.runtime import ring
 from rtp_compile.passes.schedule import backward_schedule, backward_shard
-
-
-def _real_part(t: torch.Tensor, layout, slot) -> torch.Tensor:
-    """The unpadded region of a shard-shaped tensor."""
-    dim = 0 if layout.dim is None else layout.dim
-    return t if slot.valid == slot.length else t.narrow(dim, 0, slot.valid)
 
 
 class GradientRing:
@@ -45,7 +40,8 @@ class GradientRing:
             self.acc, self.incoming = ring.unpack(self.incoming, specs), None
 
     def real_parts(self, shard: int) -> list[torch.Tensor]:
-        return [_real_part(a, lay, lay.slot(shard)) for a, lay in zip(self.acc, self.layouts)]
+        return [real_part(a, lay.dim or 0, lay.slot(shard))
+                for a, lay in zip(self.acc, self.layouts)]
 
     def pass_on(self, step: int) -> None:
         self.incoming = ring.shift_start(self.acc, self.group_name, -1, self.tag,
@@ -61,20 +57,21 @@ class _UnitGrad(torch.autograd.Function):
     whatever the unit keeps from its forward steps (`saved`), never a received shard."""
 
     @staticmethod
-    def forward(ctx, unit, n_own, y, x, *tensors):
-        ctx.unit, ctx.n_own = unit, n_own
+    def forward(ctx, unit, y, x, *tensors):
+        ctx.unit = unit
         ctx.save_for_backward(x, *tensors)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, *rest = ctx.saved_tensors
-        own, saved = [p.detach() for p in rest[:ctx.n_own]], rest[ctx.n_own:]
+        n_own = len(ctx.unit.roles)  # one own shard per role, then what the steps saved
+        own, saved = [p.detach() for p in rest[:n_own]], rest[n_own:]
         needs = ctx.needs_input_grad
-        own_needs = needs[4:4 + ctx.n_own]
-        dx, grads = ctx.unit.backward(dy, x, own, saved, needs[3], any(own_needs))
+        own_needs = needs[3:3 + n_own]
+        dx, grads = ctx.unit.backward(dy, x, own, saved, needs[2], any(own_needs))
         grads = grads or [None] * len(own)
-        return (None, None, None, dx, *[g if need else None for g, need in zip(grads, own_needs)],
+        return (None, None, dx, *[g if need else None for g, need in zip(grads, own_needs)],
                 *[None] * len(saved))
 
 
@@ -94,7 +91,7 @@ class RingUnit(nn.Module):
         shards, one per role, then what the steps saved for backward."""
         if not torch.is_grad_enabled():
             return y
-        return _UnitGrad.apply(self, len(self.roles), y, x, *tensors)
+        return _UnitGrad.apply(self, y, x, *tensors)
 
     def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
         """This step's part of dx (added into `dx`, None when not needed). `scratch` is a dict
@@ -244,9 +241,7 @@ class GatherUnit(nn.Module):
             s = backward_shard(self.rank, j, n)
             grads.receive()
             for part, g, lay in zip(grads.real_parts(s), full_grads, self.layouts):
-                slot = lay.slot(s)
-                flat = g.reshape(-1) if lay.dim is None else g
-                part.add_(flat.narrow(0 if lay.dim is None else lay.dim, slot.offset, slot.valid))
+                part.add_(lay.real_part_of(g, s))
             if j < n - 1:
                 grads.pass_on(j)
         return grads.result(self.grad_scale)
