@@ -2,6 +2,9 @@
 Parallelism. The public surface is `transform`, `launch` and `RTPProgram` (see docs/API)."""
 from __future__ import annotations
 
+import copy
+
+import torch.fx as fx
 from torch import nn
 
 from rtp_compile.capture import CaptureError, canonicalise_parameter_reads, capture
@@ -34,6 +37,7 @@ def transform(model: nn.Module, world_size: int, example_inputs=None, *, example
                          f"got {grad_reduction!r}")
     captured = capture(model, example_inputs, example_kwargs)
     gm = captured.gm
+    captured.reference = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # shares the parameters
     if captured.level == "function":
         lower_modules(gm)
         canonicalise_parameter_reads(gm, captured.aliases)  # lowered modules read tied aliases

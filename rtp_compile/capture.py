@@ -29,6 +29,7 @@ class Captured:
     params: dict[str, torch.Tensor]              # canonical name -> the model's parameter
     aliases: dict[str, list[str]] = field(default_factory=dict)  # canonical -> every name
     state_keys: list[str] = field(default_factory=list)          # the model's state_dict keys
+    reference: fx.GraphModule | None = None      # the graph before any pass (for the cost model)
 
     @property
     def param_aliases(self) -> set[str]:

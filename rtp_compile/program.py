@@ -73,6 +73,29 @@ class RTPProgram:
     def __repr__(self) -> str:
         return f"{self.report()}\n\n{self.plan}"
 
+    def cost(self, batch_size: int, seq_len: int | None = None, optimizer: str = "adamw",
+             dtype: torch.dtype | None = None, example_kwargs: dict | None = None):
+        """Predicted per-rank bytes of one training step on a per-rank batch (`passes.cost`):
+        a `Cost` with param/grad/optimizer/transient/activation/peak/traffic bytes and their
+        sympy expressions in N and A. `dtype`: the parameters' dtype if not theirs."""
+        from rtp_compile.passes import cost
+        return cost.rtp_cost(self.plan, self.profile(batch_size, seq_len, example_kwargs),
+                             optimizer, dtype)
+
+    def profile(self, batch_size: int, seq_len: int | None = None,
+                example_kwargs: dict | None = None):
+        """What the unsharded model saves for backward on such a batch, on fake tensors."""
+        from rtp_compile.passes import cost
+        specs = cost.input_specs(self._captured.reference, batch_size, seq_len) \
+            if example_kwargs is None else \
+            {k: (tuple(v.shape), v.dtype) for k, v in example_kwargs.items()}
+        key = tuple(sorted((k, shape, str(dtype)) for k, (shape, dtype) in specs.items()))
+        profiles = self.__dict__.setdefault("_profiles", {})
+        if key not in profiles:
+            profiles[key] = cost.profile_forward(self._captured.reference, self._captured.params,
+                                                 specs)
+        return profiles[key]
+
     # -- full state ----------------------------------------------------------------------
     def full_state_dict(self, gm: nn.Module) -> dict[str, torch.Tensor]:
         """Collective: the model's state_dict (every name, full shapes, padding removed)."""
