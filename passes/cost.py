@@ -104,15 +104,23 @@ def profile_forward(module: torch.nn.Module, params: dict[str, torch.Tensor], in
     saves its log-softmax."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    if any(p.device.type == "meta" for p in params.values()):
+        module = _meta_to_cpu(module)  # so kernels are chosen as on a real device
     events: list = []
     seen: set[int] = set()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = {name: torch.empty(p.shape, dtype=p.dtype, device="cpu",
+        device = "cpu"
+        fake = {name: torch.empty(p.shape, dtype=p.dtype, device=device,
                                   requires_grad=p.requires_grad) for name, p in params.items()}
         state = {alias: fake[name] for name, alias in _aliases(module, params)}
+        for node in module.graph.nodes:  # buffers and constants, fake and on cpu too
+            value = _attr(module, node.target) if node.op == "get_attr" else None
+            if isinstance(value, torch.Tensor) and node.target not in state:
+                state[node.target] = torch.zeros(value.shape, dtype=value.dtype, device=device)
         storages = {t.untyped_storage()._cdata: name for name, t in fake.items()}
         seen.update(storages)
-        args = {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in inputs.items()}
+        args = {k: torch.zeros(shape, dtype=dtype, device=device)
+                for k, (shape, dtype) in inputs.items()}
 
         def pack(t):
             key = t.untyped_storage()._cdata
@@ -134,6 +142,32 @@ def profile_forward(module: torch.nn.Module, params: dict[str, torch.Tensor], in
         elif len(saved) not in uses.setdefault(value, []):
             uses[value].append(len(saved))
     return Profile(saved, uses, out_bytes)
+
+
+def _meta_to_cpu(module):
+    """A copy of a graph captured on the meta device that runs on (fake) cpu tensors: devices
+    written into the graph become cpu (on meta, attention would take its unfused path and seem
+    to save its whole score matrix)."""
+    import copy
+    import torch.fx as fx
+
+    def to_cpu(value):
+        return torch.device("cpu") if isinstance(value, torch.device) and value.type == "meta" \
+            else value
+
+    graph = copy.deepcopy(module.graph)
+    for node in graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, to_cpu)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, to_cpu)
+    return fx.GraphModule(module, graph)
+
+
+def _attr(module, target: str):
+    import operator
+    try:
+        return operator.attrgetter(target)(module)
+    except AttributeError:
+        return None
 
 
 def _aliases(module, params):

@@ -1,5 +1,7 @@
 """Command line of rtp_compile: `rtp-compile demo` trains the demo, `rtp-compile inspect` shows
-what the compiler makes of a model (plan, per-op report, one rank's generated code)."""
+what the compiler makes of a model (plan, per-op report, one rank's generated code),
+`rtp-compile plan` predicts per-rank memory of models far larger than this machine (built on
+the meta device), `rtp-compile bench --memory` measures it next to DDP and FSDP2."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +50,26 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--world-size", type=_positive_int, required=True, help="ranks")
     inspect.add_argument("--rank", type=int, default=0, help="rank whose code to print (default 0)")
     inspect.set_defaults(run=_run_inspect)
+
+    plan = commands.add_parser(
+        "plan", help="predict per-rank memory of DDP, FSDP2 and RTP for models built on the "
+                     "meta device (never materialised)")
+    plan.add_argument("targets", nargs="+", metavar="MODEL",
+                      help="a preset (llama-7b, llama-13b, llama-70b) or MODULE:FACTORY, "
+                           "called under torch.device('meta')")
+    plan.add_argument("--world-sizes", type=_positive_int, nargs="+", default=[8, 16, 64])
+    plan.add_argument("--batch-size", type=_positive_int, default=1, help="per rank (default 1)")
+    plan.add_argument("--seq-len", type=_positive_int, default=2048, help="(default 2048)")
+    plan.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype "
+                                                          "(default bfloat16)")
+    plan.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, ...")
+    plan.set_defaults(run=_run_plan)
+
+    bench = commands.add_parser("bench", help="DDP / FSDP2 / RTP side by side, measured")
+    bench.add_argument("--memory", action="store_true", required=True,
+                       help="per-rank memory of one AdamW step (MemTracker), N = 2 and 4")
+    bench.add_argument("--out", default="benchmarks/out", help="where the plot goes")
+    bench.set_defaults(run=_run_bench)
     return parser
 
 
@@ -80,6 +102,50 @@ def _run_inspect(args: argparse.Namespace) -> None:
     print()
     print(f"# module of rank {args.rank} of {args.world_size}: its units, then its code")
     print(prog.module(args.rank))
+
+
+def _run_plan(args: argparse.Namespace) -> None:
+    """`plan`: capture each model on the meta device once, print the three kinds' costs for
+    every world size, how exact RTP's parameter bytes are, and what planning took."""
+    import resource
+    import time
+
+    import torch
+
+    import rtp_compile
+    import rtp_compile.cost
+    from rtp_compile.presets import LLAMA, meta_model
+
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise UsageError(f"--dtype must name a torch dtype (e.g. bfloat16), got {args.dtype!r}")
+    for target in args.targets:
+        start = time.perf_counter()
+        if target in LLAMA:
+            model = meta_model(target, dtype)
+        else:
+            with torch.device("meta"):
+                model = load_model(target).to(dtype)
+        prog = rtp_compile.transform(model, args.world_sizes[0])
+        n_params = sum(p.numel() for p in prog._captured.params.values())
+        print(f"{target}: {n_params / 1e9:.2f} B parameters ({args.dtype}), "
+              f"{len(prog.plan.units)} units")
+        print(rtp_compile.cost.table(prog, args.batch_size, args.seq_len, args.world_sizes,
+                                     args.optimizer))
+        cost = prog.cost(args.batch_size, args.seq_len, args.optimizer)
+        for n in args.world_sizes:
+            exact = n_params * dtype.itemsize / n
+            print(f"  N={n}: RTP parameter bytes per rank {cost.at(n).param_bytes:,} = "
+                  f"{cost.at(n).param_bytes / exact:.4f} x full/N")
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+        print(f"  planned in {time.perf_counter() - start:.0f} s, peak RSS {rss:.2f} GiB\n")
+
+
+def _run_bench(args: argparse.Namespace) -> None:
+    """`bench --memory`: the measured memory benchmark (`rtp_compile.bench_memory`)."""
+    from rtp_compile.bench_memory import main as bench_memory
+
+    bench_memory(["--out", args.out])
 
 
 def load_model(target: str) -> nn.Module:

@@ -1,7 +1,13 @@
 """The cost model's predictions against measurement: a real 2- and 3-rank job runs one AdamW
 step of RTP and of DDP under MemTracker and counts the ring's bytes. Parameter, gradient and
-optimizer bytes and the ring traffic must be exact; the peak within 10%. The model has sizes
-N = 3 does not divide (padded shards)."""
+optimizer bytes and the ring traffic must be exact; the peak within 10%; RTP's measured peak
+within 1.05 x (single-device model state / N + the unsharded model's activations). The model
+has sizes N = 3 does not divide (padded shards). Planning a 7B model on the meta device for 8
+ranks stays within 4 GiB of RSS with exact per-rank parameter bytes."""
+import re
+import subprocess
+import sys
+
 import pytest
 import sympy
 import torch
@@ -39,14 +45,16 @@ def _measure(model, seed: int, rank: int) -> dict:
     named = {str(k).rsplit(".", 1)[-1]: v for k, v in state.items()}
     return {"param_bytes": named["PARAM"], "grad_bytes": named["GRAD"],
             "optimizer_bytes": named["OPT"], "peak_bytes": peak["Total"],
-            "traffic_bytes": ring.traffic["bytes"] - sent}
+            "traffic_bytes": ring.traffic["bytes"] - sent,
+            "state_bytes": named["PARAM"] + named["GRAD"] + named["OPT"]}
 
 
 def predicted_and_measured(rank: int, world_size: int, seed: int) -> dict:
     torch.manual_seed(seed)
     model = TinyGPT(CONFIG)
     prog = rtp_compile.transform(model, world_size)
-    out = {"rtp": (vars(prog.cost(BATCH, CONFIG.block_size)),
+    out = {"activations": prog.profile(BATCH, CONFIG.block_size).activation_bytes,
+           "rtp": (vars(prog.cost(BATCH, CONFIG.block_size)),
                    _measure(prog.module(rank), seed, rank)),
            "ddp": (vars(rtp_compile.cost.ddp(prog, BATCH, CONFIG.block_size)),
                    _measure(torch.nn.parallel.DistributedDataParallel(model), seed, rank))}
@@ -58,6 +66,9 @@ def predicted_and_measured(rank: int, world_size: int, seed: int) -> dict:
 def test_predictions_match_memtracker(world_size, seed):
     results = rtp_compile.launch(predicted_and_measured, world_size, args=(seed,), timeout=240)
     for rank, per_kind in enumerate(results):
+        # RTP's bound: the single-device model state / N plus the unsharded activations
+        bound = per_kind["ddp"][1]["state_bytes"] / world_size + per_kind.pop("activations")
+        assert per_kind["rtp"][1]["peak_bytes"] <= 1.05 * bound, (rank, per_kind, bound)
         for kind, (predicted, measured) in per_kind.items():
             for field in ("param_bytes", "grad_bytes", "optimizer_bytes"):
                 assert predicted[field] == measured[field], (rank, kind, field, predicted[field],
@@ -94,3 +105,20 @@ def test_cost_names_what_it_cannot_size():
         prog.cost(BATCH, CONFIG.block_size, optimizer="lion")
     with pytest.raises(ValueError, match="input 'idx'"):
         prog.cost(BATCH)  # token ids need a sequence length
+
+
+@pytest.mark.timeout(600)
+def test_llama_7b_is_planned_on_the_meta_device_within_4_gib():
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, "-m", "rtp_compile", "plan", "llama-7b",
+                           "--world-sizes", "8"], capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    ratio = float(re.search(r"N=8: RTP parameter bytes per rank [\d,]+ = ([\d.]+) x full/N",
+                            out).group(1))
+    rss = float(re.search(r"peak RSS ([\d.]+) GiB", out).group(1))
+    assert 0.98 <= ratio <= 1.02 and rss <= 4.0, out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["8"]]
+    assert [r[1] for r in rows] == ["ddp", "fsdp2", "rtp"], out
+    peaks = {r[1]: float(r[7]) for r in rows}
+    assert peaks["rtp"] < peaks["fsdp2"] < peaks["ddp"], out
