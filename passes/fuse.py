@@ -1,76 +1,47 @@
-"""Column-split linear(s) -> pointwise ops -> linear: one rotation unit for the block.
+"""Column-split linear(s) -> region -> row-split linear: one rotation unit for the block.
 
-An MLP or SwiGLU block rotates as one unit: step k holds shard k of every linear in it (the
-first layers cut along their outputs, the last along its inputs, all on the hidden dim),
-computes the block's hidden slice and its contribution to the output, which is summed. One ring
-pass carries all the block's shards, and the hidden activation is never concatenated.
+An MLP or SwiGLU block, and attention from its q/k/v projections through to the output
+projection, rotate as one unit: step k holds shard k of every linear in it (the first layers
+cut along their outputs, the last along its inputs, all on the block's hidden / head axis),
+computes the block's slice of the region between them and its contribution to the output, which
+is summed. One ring pass carries all the block's shards, and the hidden activation (the heads)
+is never concatenated.
 
-Invariant: a region is fused only where that is exact: its ops act elementwise on the hidden dim,
-nothing outside the region reads the hidden activation, and no parameter of the block is read
-anywhere else. Views in the region (GPT-2 flattens around its Conv1D matmuls) only regroup the
-leading dims; they are fused when the heads' output and the tail's input have the same shape,
-and the region then runs without them.
+Invariant: a block is fused only where that is exact: every op of its region computes a shard's
+slice of the cut axis from the inputs' slices (`passes.cut_axis`: pointwise ops, head-wise
+attention, views and transposes that carry the axis, sizes and per-head operands rewritten per
+shard), shards hold whole groups of that axis (an MLP's hidden units; a kv head with its q
+heads), nothing outside the block reads a value of it, no parameter of the block is read
+anywhere else, and nothing the region reads from outside carries a gradient from a parameter.
+Attention blocks that are not fused are listed in `plan.unfused` with the reason.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 
 import networkx as nx
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
+from rtp_compile.passes.cut_axis import (CutWalk, NotExact, Rewrite, head_slice, is_attention,
+                                          op_kind)
+from rtp_compile.passes.match import parameter_reads
 from rtp_compile.passes.plan import Plan, Unit, unique_name
-
-aten = torch.ops.aten
-
-POINTWISE = {
-    F.gelu, F.relu, F.silu, torch.tanh, torch.sigmoid, torch.relu, torch.erf, torch.exp,
-    operator.mul, operator.add, operator.sub, operator.truediv, operator.neg, operator.pow,
-    torch.mul, torch.add, torch.sub, torch.pow,
-    aten.gelu.default, aten.relu.default, aten.silu.default, aten.tanh.default,
-    aten.sigmoid.default, aten.erf.default, aten.exp.default, aten.neg.default,
-    aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor,
-    aten.div.Tensor, aten.div.Scalar, aten.pow.Tensor_Scalar,
-}
-VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-DROPOUTS = {F.dropout, aten.dropout.default}
 
 
 @dataclasses.dataclass
 class Fusion:
-    """The block a fused unit runs: its column-split heads, pointwise region and tail."""
+    """The block a fused unit runs: its column-split heads, region and tail."""
     heads: list[Unit]                  # column-split linears reading the block's input
     tail: Unit                         # the linear reading the region's output, cut on inputs
-    region: list[str]                  # pointwise nodes (and views, run as identity), in order
-    hidden: int                        # the hidden width every shard dim of the block cuts
-
-
-def _last_dim(node: fx.Node):
-    val = node.meta.get("val")
-    return val.shape[-1] if isinstance(val, torch.Tensor) and val.dim() else None
-
-
-def _is_region_op(node: fx.Node, hidden: int) -> bool:
-    """Elementwise on the hidden dim: a pointwise op, a p=0 dropout, a view keeping it last."""
-    if node.op not in ("call_function", "call_method"):
-        return False
-    if node.target in POINTWISE:
-        return True
-    if node.target in DROPOUTS:
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        return p == 0
-    if node.target in VIEWS:  # aten level: shapes are known, the hidden dim must stay last
-        inp = node.args[0]
-        return _last_dim(node) == hidden and isinstance(inp, fx.Node) and _last_dim(inp) == hidden
-    return False
-
-
-def _shape(node: fx.Node) -> str | None:
-    """The node's shape as export recorded it, as text (sizes may be symbols, e.g. s0*s1)."""
-    val = node.meta.get("val")
-    return str(list(val.shape)) if isinstance(val, torch.Tensor) else None
+    region: list[str]                  # the ops between them, in graph order
+    groups: int                        # G: whole groups the cut axis holds (hidden units, kv heads)
+    externals: list[str]               # values from outside the block the region reads
+    rewrites: dict[str, list[Rewrite]]  # region node -> its sizes / operands cut per shard
+    attention: bool                    # the region attends (SDPA, softmax, matmul of heads)
+    hidden: int                        # the tail's input width (what is never concatenated)
 
 
 def _linear_dims(unit: Unit) -> tuple[int, int]:
@@ -88,94 +59,179 @@ def _block_name(units: list[Unit]) -> str:
     return "_".join(common) or units[-1].name
 
 
-def _find_block(tail: Unit, nodes, units_by_node, hidden: int):
-    """(heads, region nodes) feeding `tail` through elementwise ops only, or None."""
-    region, heads, stack, seen = [], [], [nodes[tail.call.input]], set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        unit = units_by_node.get(node.name)
-        if unit is not None:
-            if not (unit.kind == "rotate" and unit.call.rule.name == "linear"
-                    and unit.mode == "col"):
-                return None
-            heads.append(unit)
-            continue
-        if not _is_region_op(node, hidden):
+def _is_head(unit: Unit) -> bool:
+    return unit.kind == "rotate" and unit.call.rule.name == "linear" and unit.mode == "col"
+
+
+def _is_shape_read(node: fx.Node) -> bool:
+    """A read of sizes only (x.size(), x.shape, aten.sym_size): it carries no gradient."""
+    return op_kind(node) == "size" or (node.op == "call_function" and node.target is getattr
+                                       and node.args[1:] == ("shape",))
+
+
+class BlockFinder:
+    """The graph views every block search shares (networkx)."""
+
+    def __init__(self, gm: fx.GraphModule, plan: Plan):
+        self.gm, self.plan = gm, plan
+        self.nodes = {n.name: n for n in gm.graph.nodes}
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.graph = nx.DiGraph((i, n) for n in gm.graph.nodes for i in n.all_input_nodes)
+        self.graph.add_nodes_from(gm.graph.nodes)
+        self.units = {self.nodes[u.node]: u for u in plan.units}
+        # edges into a unit removed: ancestors in `stop_at_units` end at the nearest units
+        self.stop_at_units = self.graph.copy()
+        self.stop_at_units.remove_edges_from(
+            [(i, u) for u in self.units for i in self.graph.predecessors(u)])
+        # edges into size reads removed: ancestors in `gradient` are what a value's gradient
+        # flows back to
+        self.gradient = self.graph.copy()
+        self.gradient.remove_edges_from(
+            [(i, n) for n in gm.graph.nodes if _is_shape_read(n) for i in n.all_input_nodes])
+        self.weighted = set(self.units) | set(parameter_reads(gm))
+        self.readers = {name: len(plan.units_of(name)) for name in plan.params}
+
+    def region_of(self, tail: Unit):
+        """(heads, region nodes, attention?) between the nearest column-split linears above
+        `tail` and its input, or None where no column-split linear feeds it."""
+        t_in = self.nodes[tail.call.input]
+        above = {t_in} if t_in in self.units else \
+            nx.ancestors(self.stop_at_units, t_in) & set(self.units)
+        heads = sorted((n for n in above if _is_head(self.units[n])), key=self.order.get)
+        if not heads:
             return None
-        region.append(node)
-        # a view's other inputs are sizes, not tensors of the block
-        stack.extend([node.args[0]] if node.target in VIEWS else node.all_input_nodes)
-    if not heads:
-        return None
-    if any(n.target in VIEWS for n in region):  # views must cancel out to be run as identity
-        shapes = {_shape(nodes[h.node]) for h in heads} | {_shape(nodes[tail.call.input])}
-        if len(shapes) != 1 or None in shapes:
-            return None
-    return heads, region
+        # paths from a head to the tail's input that pass no other unit
+        below = set().union(*(nx.descendants(self.stop_at_units, h) for h in heads))
+        region = sorted((below & (nx.ancestors(self.stop_at_units, t_in) | {t_in})) - set(heads),
+                        key=self.order.get)
+        return heads, region, any(is_attention(n) for n in region)
+
+    def check(self, tail: Unit, heads, region) -> CutWalk:
+        """The cut walk of the block, or NotExact with the first reason it is not exact."""
+        t_in, tail_node = self.nodes[tail.call.input], self.nodes[tail.node]
+        units = [self.units[h] for h in heads]
+        if len({u.call.input for u in units}) != 1:
+            raise NotExact("its heads read different inputs (q from one, k/v from another, as "
+                           "in cross-attention): a fused unit has one input")
+        if any(u not in self.plan.units for u in units):
+            raise NotExact("a head already belongs to another fused block")
+        members = set(region) | set(heads)
+        if any(set(self.graph.successors(m)) - members - {tail_node} for m in members):
+            raise NotExact("a value of the block is read outside it")
+        params = [p for u in units + [tail] for p in u.params.values()]
+        if any(self.readers[p] != 1 for p in params):
+            raise NotExact("a parameter of the block is tied or read elsewhere")
+        for ext in {i for n in region for i in n.all_input_nodes} - members:
+            carriers = (nx.ancestors(self.gradient, ext) | {ext}) & self.weighted
+            if carriers and not _is_shape_read(ext):
+                raise NotExact(f"its operand {ext.name} is computed from parameters (through "
+                               f"{min(carriers, key=self.order.get).name}): the fused unit does "
+                               f"not carry that gradient out")
+        widths = {h: self.plan.params[u.params["weight"]].shape[_linear_dims(u)[0]]
+                  for h, u in zip(heads, units)}
+        hidden = self.plan.params[tail.params["weight"]].shape[_linear_dims(tail)[1]]
+        walk = CutWalk(self.gm, region, widths, t_in, hidden)
+        g, n = walk.groups(), self.plan.world_size
+        if n > 1 and (g < 2 or math.ceil(g / n) * n > 2 * g):
+            raise NotExact(f"only {g} whole head group(s) for {n} ranks: shards of whole "
+                           f"groups would more than double the block's weights per rank")
+        return walk
 
 
 def fuse_blocks(gm: fx.GraphModule, plan: Plan) -> Plan:
-    """Merge every exact column-split -> pointwise -> linear block into one fused unit."""
-    nodes = {n.name: n for n in gm.graph.nodes}
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    graph = nx.DiGraph((i, n) for n in gm.graph.nodes for i in n.all_input_nodes)
-    units_by_node = plan.unit_for_node()
-    readers = {name: len(plan.units_of(name)) for name in plan.params}
+    """Merge every exact column-split -> region -> linear block into one fused unit; record
+    why each attention block that is not fused is not."""
+    finder = BlockFinder(gm, plan)
     for tail in [u for u in plan.units if u.kind == "rotate" and u.call.rule.name == "linear"]:
-        if tail not in plan.units or readers[tail.params["weight"]] != 1:
+        if tail not in plan.units:
             continue
-        hidden = plan.params[tail.params["weight"]].shape[_linear_dims(tail)[1]]
-        found = _find_block(tail, nodes, units_by_node, hidden)
+        found = finder.region_of(tail)
         if found is None:
             continue
-        heads, region = found
-        members = set(region) | {nodes[h.node] for h in heads}
-        inputs = {h.call.input for h in heads}
-        if len(inputs) != 1 or any(h not in plan.units for h in heads):
+        heads, region, attention = found
+        try:
+            if finder.readers[tail.params["weight"]] != 1:
+                raise NotExact("its output projection's weight is tied or read elsewhere")
+            walk = finder.check(tail, heads, region)
+        except NotExact as why:
+            if attention:
+                plan.unfused[tail.name] = str(why)
             continue
-        if any(set(graph.successors(m)) - members - {nodes[tail.node]} for m in members):
-            continue  # the hidden activation is read outside the block
-        params = [p for u in heads + [tail] for p in u.params.values()]
-        if any(readers[p] != 1 for p in params):
-            continue  # a tied or reused parameter keeps its own layout
-        if any(plan.params[h.params["weight"]].shape[_linear_dims(h)[0]] != hidden for h in heads):
-            continue
-        heads.sort(key=lambda h: order[nodes[h.node]])
-        _record_fusion(plan, heads, tail, sorted(region, key=order.get), hidden)
-    plan.units.sort(key=lambda u: order[nodes[u.node]])
+        externals = sorted({i for n in region for i in n.all_input_nodes} - set(region)
+                           - set(heads), key=finder.order.get)
+        units = [finder.units[h] for h in heads]
+        _record_fusion(plan, Fusion(units, tail, [n.name for n in region], walk.groups(),
+                                    [e.name for e in externals], walk.rewrites, attention,
+                                    walk.tail_width))
+    plan.units.sort(key=lambda u: finder.order[finder.nodes[u.node]])
     return plan
 
 
-def _record_fusion(plan: Plan, heads: list[Unit], tail: Unit, region: list[fx.Node],
-                   hidden: int) -> None:
-    """Replace the block's units by one fused unit; the tail's weight is cut on its inputs."""
-    weight = tail.params["weight"]
-    plan.params[weight] = dataclasses.replace(plan.params[weight], dim=_linear_dims(tail)[1])
-    params = {f"head{i}.{role}": name for i, h in enumerate(heads) for role, name in h.params.items()}
-    params.update({f"tail.{role}": name for role, name in tail.params.items()})
-    for unit in heads + [tail]:
+def _record_fusion(plan: Plan, fusion: Fusion) -> None:
+    """Replace the block's units by one fused unit: the tail's weight cut on its inputs, every
+    layout of the block cut in whole groups (a granule: one group's width in that layer)."""
+    g = fusion.groups
+    for unit, dim in [(h, _linear_dims(h)[0]) for h in fusion.heads] + \
+            [(fusion.tail, _linear_dims(fusion.tail)[1])]:
+        roles = unit.params.items() if unit is not fusion.tail else [("weight",
+                                                                     unit.params["weight"])]
+        for role, name in roles:
+            lay = plan.params[name]
+            d = dim if role == "weight" else 0
+            plan.params[name] = dataclasses.replace(lay, dim=d, granule=lay.shape[d] // g)
+    params = {f"head{i}.{role}": name for i, h in enumerate(fusion.heads)
+              for role, name in h.params.items()}
+    params.update({f"tail.{role}": name for role, name in fusion.tail.params.items()})
+    for unit in fusion.heads + [fusion.tail]:
         plan.units.remove(unit)
-    name = unique_name(_block_name(heads + [tail]), plan.names())
-    plan.units.append(Unit(name, tail.node, "fused", params, tail.call, "row",
-                           target="+".join(u.target for u in heads + [tail]),
-                           fusion=Fusion(heads, tail, [n.name for n in region], hidden)))
+    name = unique_name(_block_name(fusion.heads + [fusion.tail]), plan.names())
+    plan.units.append(Unit(name, fusion.tail.node, "fused", params, fusion.tail.call, "row",
+                           target="+".join(u.target for u in fusion.heads + [fusion.tail]),
+                           fusion=fusion))
+
+
+def _rewritten(graph: fx.Graph, args: list, kwargs: dict, rewrites, first, groups, g: int):
+    """args / kwargs of one region node with its per-shard sizes and operands."""
+    def per_group(size):
+        return size // g
+
+    for r in rewrites:
+        where, key, *inner = r.path
+        box = args if where == "args" else kwargs
+        value = box[key][inner[0]] if inner else box[key]
+        if r.kind == "size":
+            new = graph.call_function(operator.mul, (groups, per_group(r.size)))
+        else:
+            start = graph.call_function(operator.mul, (first, per_group(r.size)))
+            length = graph.call_function(operator.mul, (groups, per_group(r.size)))
+            new = graph.call_function(torch.narrow, (value, r.dim, start, length)) \
+                if r.kind == "slice" else \
+                graph.call_function(head_slice, (value, r.dim, start, length, r.size, r.rank))
+        if inner:
+            seq = list(box[key])
+            seq[inner[0]] = new
+            box[key] = type(box[key])(seq)
+        else:
+            box[key] = new
 
 
 def region_body(gm: fx.GraphModule, fusion: Fusion) -> fx.GraphModule:
-    """The block's pointwise ops as a GraphModule: head outputs in, the tail's input out.
-
-    Views are left out (they only regroup leading dims, see the module docstring), so the body
-    runs on a hidden slice of any width and any leading shape."""
+    """The block's region as a GraphModule: (first group, groups held, *head outputs,
+    *externals) in, the tail's input out. Run for any shard: its sizes on the cut axis are
+    `groups` x a group's width, its per-head operands narrowed to the shard's groups."""
     nodes = {n.name: n for n in gm.graph.nodes}
     graph, env = fx.Graph(), {}
+    first, groups = graph.placeholder("first_group"), graph.placeholder("groups")
     for i, head in enumerate(fusion.heads):
         env[nodes[head.node]] = graph.placeholder(f"head{i}")
+    for name in fusion.externals:
+        env[nodes[name]] = graph.placeholder(name)
     for name in fusion.region:
         node = nodes[name]
-        env[node] = env[node.args[0]] if node.target in VIEWS else \
-            graph.node_copy(node, lambda a: env[a])
+        args = list(fx.node.map_arg(node.args, lambda a: env[a]))
+        kwargs = dict(fx.node.map_arg(node.kwargs, lambda a: env[a]))
+        _rewritten(graph, args, kwargs, fusion.rewrites.get(name, []), first, groups,
+                   fusion.groups)
+        env[node] = graph.create_node(node.op, node.target, tuple(args), kwargs, name=node.name)
     graph.output(env[nodes[fusion.tail.call.input]])
     return fx.GraphModule(torch.nn.Module(), graph, class_name="FusedRegion")

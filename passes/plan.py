@@ -28,6 +28,12 @@ class ParamLayout:
     world_size: int
     dim: int | None                      # None: the flattened parameter is cut
     aliases: tuple[str, ...] = ()
+    granule: int = 1                     # shards hold whole granules (an attention head group)
+
+    def __post_init__(self):
+        if self.dim is not None and self.extent % self.granule:
+            raise ValueError(f"{self.name}: extent {self.extent} is not a multiple of its "
+                             f"granule {self.granule}")
 
     @property
     def extent(self) -> int:
@@ -35,7 +41,8 @@ class ParamLayout:
 
     @property
     def shard_len(self) -> int:
-        return max(1, math.ceil(self.extent / self.world_size))
+        """ceil(granules / N) whole granules: with granule 1, ceil(extent / N)."""
+        return max(1, math.ceil(self.extent // self.granule / self.world_size) * self.granule)
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
@@ -90,6 +97,7 @@ class Plan:
     world_size: int
     params: dict[str, ParamLayout]
     units: list[Unit] = field(default_factory=list)
+    unfused: dict[str, str] = field(default_factory=dict)  # attention tail unit -> why not fused
 
     def names(self) -> set[str]:
         return {u.name for u in self.units}

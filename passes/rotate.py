@@ -1,8 +1,8 @@
 """Weight-bearing nodes -> rank-generic unit nodes.
 
 Every rotated node becomes `rotation_unit(name, x, *params)`; a fused block (its first layers,
-pointwise ops and last layer) becomes `fused_unit(name, x, *params)` with its pointwise region
-kept as a body GraphModule; every gathered node becomes
+region and last layer) becomes `fused_unit(name, x, *params, *externals)` with its region kept
+as a body GraphModule (externals: what the region reads from outside, e.g. an attention mask); every gathered node becomes
 `gathered_op(name, *inputs, *params)`, and the gathered op (with the parameter-only ops that feed
 it, such as `w.t()`) moves into a small body GraphModule run on the gathered tensors. The result
 is the program every rank shares: step k of a unit holds shard (rank - k) mod N, and codegen
@@ -30,7 +30,7 @@ def rotation_unit(name: str, x, *params):
                        "module of a rank, prog.module(rank), not prog.graph")
 
 
-def fused_unit(name: str, x, *params):
+def fused_unit(name: str, x, *params_then_externals):
     """Marker of a fused block in the rank-generic graph; codegen unrolls it for a rank."""
     raise RuntimeError(f"fused block {name!r} belongs to the rank-generic program: run the "
                        "module of a rank, prog.module(rank), not prog.graph")
@@ -94,7 +94,8 @@ def rotate(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, dict[str, fx
             elif unit.kind == "fused":
                 bodies[unit.name] = region_body(gm, unit.fusion)
                 x = by_name[unit.fusion.heads[0].call.input]
-                marker = graph.call_function(fused_unit, (unit.name, x, *param_reads))
+                externals = [by_name[e] for e in unit.fusion.externals]
+                marker = graph.call_function(fused_unit, (unit.name, x, *param_reads, *externals))
             else:
                 body, inputs = gather_body(gm, node, consumer_closure(node, param_only))
                 bodies[unit.name] = body

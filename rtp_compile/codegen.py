@@ -216,12 +216,15 @@ class RankEmitter:
         return out
 
     def _fused(self, node: fx.Node, env) -> fx.Node:
-        name, x, *param_args = node.args
+        name, x, *rest = node.args
         unit = self.units[name]
         fusion, body = unit.fusion, self.bodies[name]
-        x_node, params = env[x], [env[a] for a in param_args]
+        x_node = env[x]
+        params = [env[a] for a in rest[:len(unit.params)]]
+        externals = [env[a] for a in rest[len(unit.params):]]
         roles, layouts, shapes = self._layouts(unit)
         saved: dict[int, list[fx.Node]] = {}  # per shard: the heads' outputs, for backward
+        tail_layout = self.plan.params[unit.params["tail.weight"]]
 
         def compute(k, s, x_p, shards):
             slots = {r: lay.slot(s) for r, lay in zip(roles, layouts)}
@@ -235,7 +238,10 @@ class RankEmitter:
                                          *[sub_roles(d, f"head{i}") for d in (shards, slots, shapes)])
                      for i, h in enumerate(fusion.heads)]
             saved[s] = [h.node for h in heads]
-            hidden = body(*heads)
+            # this shard's groups of the cut axis (whole heads), as constants of the step
+            first, groups = (slots["tail.weight"].offset // tail_layout.granule,
+                             width // tail_layout.granule)
+            hidden = body(first, groups, *heads, *[fx.Proxy(e, self.tracer) for e in externals])
             return LINEAR.row_partial(fusion.tail.call.options, hidden, *tail)
 
         parts = self._unrolled_steps(name, x_node, params, roles, layouts, compute)
@@ -244,7 +250,7 @@ class RankEmitter:
             name, fusion, roles, layouts, body, self.rank, self.n, self.group_name,
             self.tags[name], self.grad_scale)
         keep = [n for s in range(self.n) for n in saved.get(s, [])]
-        out = self.graph.call_module(f"rtp_units.{name}", (y, x_node, *params, *keep))
+        out = self.graph.call_module(f"rtp_units.{name}", (y, x_node, *params, *externals, *keep))
         out.meta.update(node.meta)
         return out
 

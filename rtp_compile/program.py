@@ -57,6 +57,14 @@ class RTPProgram:
             if u.kind == "rotate":
                 lines.append(f"  rotated  {u.name}: {u.call.rule.name} {u.mode} [{u.target}] "
                              f"({dims}); {held:,} B/rank")
+            elif u.kind == "fused" and u.fusion.attention:
+                f = u.fusion
+                lines.append(f"  fused    {u.name}: attention heads of {len(f.heads)} "
+                             f"projection(s) through {f.tail.params['weight'].rpartition('.')[0]}, "
+                             f"{f.groups} head "
+                             f"group(s) cut whole, up to {-(-f.groups // self.world_size)} per "
+                             f"rank; one ring pass, heads never concatenated [{u.target}] "
+                             f"({dims}); {held:,} B/rank")
             elif u.kind == "fused":
                 lines.append(f"  fused    {u.name}: {len(u.fusion.heads)} linear(s) -> "
                              f"{len(u.fusion.region)} pointwise op(s) -> linear, one ring pass, "
@@ -65,6 +73,9 @@ class RTPProgram:
             else:
                 lines.append(f"  gathered {u.name}: {u.target} ({', '.join(u.params.values())}) "
                              f"because {u.reason}; {held:,} B/rank")
+        for tail, why in self.plan.unfused.items():
+            lines.append(f"  attention through {tail} not fused (its projections rotate one by "
+                         f"one) because {why}")
         unused = [n for n in self.plan.params if self.plan.strategy(n) == "unused"]
         if unused:
             lines.append(f"  unused parameters (sharded, never read): {', '.join(unused)}")

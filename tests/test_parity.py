@@ -8,7 +8,7 @@ import pytest
 import rtp_compile
 from jobs import parity
 
-MODELS = ["mlp", "gpt", "conv", "norule", "shared", "tiedbias"]
+MODELS = ["mlp", "gpt", "conv", "norule", "shared", "tiedbias", "attention"]
 TOL = 1e-9
 
 

@@ -331,3 +331,101 @@ def test_native_layer_norm_of_decomposed_graphs_is_split_and_rotated():
     assert [(u.kind, u.call.rule.name) for u in prog.plan.units] == [("rotate", "elementwise")]
     x = torch.randn(3, 6)
     assert torch.allclose(rtp_compile.transform(model, 1).module(0)(x), model(x), atol=1e-12)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape,dim,granule", [((12, 5), 0, 4), ((8, 5), 0, 4), ((5, 16), 1, 8),
+                                               ((6,), 0, 3), ((12, 5), 0, 12)])
+def test_layout_granules_hold_whole_heads_with_zero_padding(shape, dim, granule, world_size):
+    """Shards of whole granules (3 heads at N=2 or 4, 2 kv heads at N=3: some shard holds none):
+    still one cover of the tensor, padding zero and at the end, shard s <-> groups of shard s."""
+    full = torch.randn(shape)
+    layout = ParamLayout("p", shape, full.dtype, world_size, dim, granule=granule)
+    groups = shape[dim] // granule
+    shards = [layout.shard(full, s) for s in range(world_size)]
+    assert layout.shard_len == -(-groups // world_size) * granule
+    assert torch.equal(layout.unshard(shards), full)
+    for s, shard in enumerate(shards):
+        slot = layout.slot(s)
+        assert slot.offset % granule == 0 and slot.valid % granule == 0
+        assert torch.equal(shard.narrow(dim, 0, slot.valid), layout.real_part_of(full, s))
+        assert not shard.narrow(dim, slot.valid, slot.length - slot.valid).any()
+    assert sum(layout.slot(s).valid for s in range(world_size)) == shape[dim]
+    with pytest.raises(ValueError, match="granule"):
+        ParamLayout("p", shape, full.dtype, world_size, dim, granule=granule + 1 if granule > 1
+                    else shape[dim] + 1)
+
+
+def _fused(plan):
+    return {u.name: u.fusion for u in plan.units if u.kind == "fused"}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_attention_heads_fuse_through_the_output_projection(world_size, capture):
+    """Separate q/k/v -> heads -> SDPA (mask), GQA, or matmul/softmax/matmul with a per-head
+    bias -> o_proj: one unit each, cut in whole head groups (a kv head with its q heads)."""
+    from zoo import batch
+    example = (batch("attention", 0, 0, 0),) if capture == "export" else None
+    plan = _plan(build("attention", 0), world_size, example_inputs=example)
+    fused = _fused(plan)
+    assert sorted(fused) == ["o_0", "o_1", "o_2"] and not plan.unfused
+    assert all(f.attention for f in fused.values())
+    assert [fused[n].groups for n in ("o_0", "o_1", "o_2")] == [3, 2, 3]
+    # GQA: 4 q heads of 3 and 2 kv heads of 3 -> a group is 2 q heads (6) and 1 kv head (3)
+    assert plan.params["q.1.weight"].granule == 6 and plan.params["k.1.weight"].granule == 3
+    assert plan.params["o.1.weight"].dim == 1 and plan.params["o.1.weight"].granule == 6
+    for s in range(world_size):  # q shard s holds the q heads of kv shard s's kv heads
+        q, k = (plan.params[f"{p}.1.weight"].slot(s) for p in "qk")
+        assert q.valid == 2 * k.valid and q.offset == 2 * k.offset
+    # the per-head slope bias (a buffer) is cut with the heads; the mask broadcasts over them
+    kinds = {r.kind for rs in fused["o_2"].rewrites.values() for r in rs}
+    assert kinds >= {"size", "slice" if capture == "export" else "check"}
+    assert "o.0" in rtp_compile.transform(build("attention", 0), world_size).report()
+
+
+def test_attention_is_not_fused_where_it_would_not_be_exact():
+    """Each reason by rule: packed qkv, a learned per-head bias, attention dropout, softmax over
+    heads, cross-attention, a single head on 2 ranks, head sizes unknown at fx level."""
+    F = torch.nn.functional
+
+    class Attn(nn.Module):
+        def __init__(self, d=8, heads=2, kind=""):
+            super().__init__()
+            self.h, self.kind = heads, kind
+            self.q, self.k, self.v = (nn.Linear(d, d) for _ in range(3))
+            self.o = nn.Linear(d, d)
+            self.bias = nn.Parameter(torch.zeros(1, heads, 1, 1))
+
+        def forward(self, x, other=None):
+            B, T, C = x.shape
+            kv = other if self.kind == "cross" else x
+            e = C // self.h if self.kind == "fx_sizes" else 8 // self.h
+            q, k, v = (f(t).view(B, -1, self.h, e).transpose(1, 2)
+                       for f, t in ((self.q, x), (self.k, kv), (self.v, kv)))
+            att = q @ k.transpose(-2, -1)
+            if self.kind == "learned_bias":
+                att = att + self.bias
+            att = torch.softmax(att, dim=1 if self.kind == "over_heads" else -1)
+            if self.kind == "dropout":
+                att = F.dropout(att, 0.1)
+            return self.o((att @ v).transpose(1, 2).reshape(B, T, C))
+
+    def reason(model, world_size=2, **kw):
+        plan = _plan(model, world_size, **kw)
+        assert not any(f.attention for f in _fused(plan).values())
+        (why, *others) = plan.unfused.values()
+        assert all(other.split()[1:] == why.split()[1:] for other in others)  # a node name apart
+        return why
+
+    assert "packed projection" in reason(tiny_gpt())
+    assert "computed from parameters" in reason(Attn(kind="learned_bias"))
+    assert "dropout" in reason(Attn(kind="dropout"))
+    assert "softmax over the head" in reason(Attn(kind="over_heads"))
+    x = torch.randn(2, 3, 8)
+    cross = reason(Attn(kind="cross"), example_inputs=(x, torch.randn(2, 5, 8)))
+    assert "different inputs" in cross
+    assert "only 1 whole head group" in reason(Attn(heads=1))
+    assert "example_inputs" in reason(Attn(kind="fx_sizes"))
+    assert _fused(_plan(Attn(kind="fx_sizes"), 2, example_inputs=(x,)))  # export knows them
+    assert _fused(_plan(Attn(heads=1), 1)) and _fused(_plan(Attn(), 2))

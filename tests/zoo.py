@@ -91,6 +91,54 @@ class TiedHeadWithBias(nn.Module):
         return self.out(torch.tanh(self.mid(self.emb(idx))))
 
 
+def _square(t, n):
+    """t[:n, :n], spelled so torch.fx can trace it with a traced n."""
+    return t.narrow(0, 0, n).narrow(1, 0, n)
+
+
+class HandAttention(nn.Module):
+    """Hand-written pre-norm attention layers with separate q/k/v nn.Linear (head counts that
+    2, 3 and 4 ranks do not divide): 3 heads through F.scaled_dot_product_attention with a mask
+    buffer; grouped kv heads (4 q, 2 kv, enable_gqa); 3 heads through matmul / softmax / matmul
+    with a per-head (ALiBi-style) bias from buffers, heads merged by flatten. Heads are split
+    with int sizes, so torch.fx capture sees them too."""
+
+    def __init__(self, d=10, block=8):
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(3))
+        self.shapes = [(3, 3, 4), (4, 2, 3), (3, 3, 4)]  # (q heads, kv heads, head dim)
+        self.q = nn.ModuleList(nn.Linear(d, h * e) for h, _, e in self.shapes)
+        self.k = nn.ModuleList(nn.Linear(d, kv * e) for _, kv, e in self.shapes)
+        self.v = nn.ModuleList(nn.Linear(d, kv * e, bias=False) for _, kv, e in self.shapes)
+        self.o = nn.ModuleList(nn.Linear(h * e, d) for h, _, e in self.shapes)
+        self.register_buffer("mask", torch.tril(torch.ones(block, block, dtype=torch.bool)))
+        pos = torch.arange(block)
+        self.register_buffer("dist", (pos[None, :] - pos[:, None]).clamp(max=0).double())
+        self.register_buffer("slopes", torch.tensor([0.5, 0.25, 0.125]).view(1, 3, 1, 1))
+        self.head = nn.Linear(d, 3)
+
+    def attend(self, i, x):
+        B, T, _ = x.shape
+        h, kv, e = self.shapes[i]
+        q = self.q[i](x).view(B, T, h, e).transpose(1, 2)
+        k = self.k[i](x).view(B, T, kv, e).transpose(1, 2)
+        v = self.v[i](x).view(B, T, kv, e).transpose(1, 2)
+        if i == 0:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=_square(self.mask, T))
+        elif i == 1:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            bias = _square(self.dist, T) * self.slopes  # [1, heads, T, T]: a slope per head
+            att = torch.softmax(q @ k.transpose(-2, -1) * e ** -0.5 + bias, dim=-1)
+            return self.o[i]((att @ v).transpose(1, 2).flatten(-2))
+        return self.o[i](y.transpose(1, 2).reshape(B, T, -1))
+
+    def forward(self, x):
+        for i, norm in enumerate(self.norms):
+            x = x + self.attend(i, norm(x))
+        return self.head(x)
+
+
 def tiny_gpt():
     return TinyGPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10))
 
@@ -107,6 +155,7 @@ ZOO = {
     "norule": (NoRuleOps, lambda g: torch.randn(2, 4, 6, generator=g, dtype=torch.float64)),
     "shared": (SharedLayer, lambda g: torch.randn(3, 9, generator=g, dtype=torch.float64)),
     "tiedbias": (TiedHeadWithBias, lambda g: torch.randint(0, 11, (3, 5), generator=g)),
+    "attention": (HandAttention, lambda g: torch.randn(2, 5, 10, generator=g, dtype=torch.float64)),
 }
 
 

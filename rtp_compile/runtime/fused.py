@@ -1,9 +1,11 @@
-"""The runtime of a fused block (column-split linears -> pointwise ops -> row-split linear).
+"""The runtime of a fused block (column-split linears -> region -> row-split linear).
 
 Forward steps are emitted inline like any unit's; they also hand the unit each step's head
-outputs (the block's hidden slice before its pointwise ops: together the size of one hidden
-activation, what the unfused layers would save too). Backward recomputes the pointwise region of
-a step from them under autograd, so its gradient needs no rule of its own.
+outputs (the block's hidden slice before its region: together the size of one hidden activation,
+or of q, k and v in attention, what the unfused layers would save too) and the values the region
+reads from outside (a mask, rotary tables, sizes). Backward recomputes the region of a step from
+them under autograd (for attention: the attention of the shard's heads, as activation
+checkpointing would), so its gradient needs no rule of its own.
 """
 from __future__ import annotations
 
@@ -27,12 +29,30 @@ class FusedUnit(RingUnit):
         super().__init__(name, roles, layouts, rank, world_size, group_name, tag, grad_scale)
         self.head_options = [h.call.options for h in fusion.heads]
         self.tail_options = fusion.tail.call.options
-        self.hidden, self.body = fusion.hidden, body
+        self.hidden, self.body, self.attention = fusion.hidden, body, fusion.attention
+        self.n_externals = len(fusion.externals)
         self.tail_weight = roles.index("tail.weight")
 
     def extra_repr(self) -> str:
-        return (f"fused block: {len(self.head_options)} column-split linear(s) -> pointwise -> "
+        what = "attention heads" if self.attention else "pointwise"
+        return (f"fused block: {len(self.head_options)} column-split linear(s) -> {what} -> "
                 f"row-split linear, hidden {self.hidden}; rank {self.rank} of {self.world_size}")
+
+    def forward(self, y, x, *tensors):
+        """As RingUnit's, after the rank's own shards: the region's externals, then the head
+        outputs of each step that held real groups."""
+        externals = tensors[len(self.roles):len(self.roles) + self.n_externals]
+        if torch.is_grad_enabled() and any(isinstance(e, torch.Tensor) and e.requires_grad
+                                           for e in externals):
+            raise RuntimeError(f"rtp_compile: fused block {self.unit_name} reads a value that "
+                               "requires grad from outside the block (the planner only allows "
+                               "values that carry no gradient); compile with fuse=False")
+        return super().forward(y, x, *tensors)
+
+    def groups_of(self, slots) -> tuple[int, int]:
+        """(first group, groups held) of the shard with these slots."""
+        slot, granule = slots["tail.weight"], self.layouts[self.tail_weight].granule
+        return slot.offset // granule, slot.valid // granule
 
     def _width(self, slots) -> int:
         return slots["tail.weight"].valid
@@ -41,7 +61,8 @@ class FusedUnit(RingUnit):
         """This shard's head outputs among `saved` (all-padding shards saved none)."""
         index = sum(1 for s in range(shard) if self.layouts[self.tail_weight].slot(s).valid)
         k = len(self.head_options)
-        return saved[index * k:(index + 1) * k]
+        heads = saved[self.n_externals:]
+        return heads[index * k:(index + 1) * k]
 
     def _local(self, shard, dy, x, shards, slots, saved, scratch):
         """(region output h, head output grads) of one step, computed once per step."""
@@ -57,7 +78,7 @@ class FusedUnit(RingUnit):
                 return scratch
             heads = [h.detach().requires_grad_(True) for h in self._saved_heads(shard, saved)]
             with torch.enable_grad():
-                h = self.body(*heads)
+                h = self.body(*self.groups_of(slots), *heads, *saved[:self.n_externals])
             scratch["h"] = h.detach()
             scratch["dheads"] = torch.autograd.grad(h, heads, dy @ w_tail)
         return scratch

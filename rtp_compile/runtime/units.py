@@ -59,12 +59,12 @@ class _UnitGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, unit, y, x, *tensors):
         ctx.unit = unit
-        ctx.save_for_backward(x, *tensors)
+        _save(ctx, (x, *tensors))  # a fused block's externals may be sizes, not tensors
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, *rest = ctx.saved_tensors
+        x, *rest = _saved(ctx)
         n_own = len(ctx.unit.roles)  # one own shard per role, then what the steps saved
         own, saved = [p.detach() for p in rest[:n_own]], rest[n_own:]
         needs = ctx.needs_input_grad
