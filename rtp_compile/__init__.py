@@ -8,6 +8,7 @@ import torch.fx as fx
 from torch import nn
 
 from rtp_compile.capture import CaptureError, canonicalise_parameter_reads, capture
+from rtp_compile.materialize import materialize_full
 from rtp_compile.program import RTPProgram
 from rtp_compile.runtime.launch import RankError, launch
 from rtp_compile.passes.fold_parameter_metadata import fold_parameter_metadata
@@ -17,7 +18,7 @@ from rtp_compile.passes.plan import plan_sharding
 from rtp_compile.passes.rotate import rotate
 from rtp_compile.passes.split_norm_affine import split_norm_affine
 
-__all__ = ["transform", "launch", "RTPProgram", "CaptureError", "RankError"]
+__all__ = ["transform", "launch", "RTPProgram", "CaptureError", "RankError", "materialize_full"]
 
 
 def transform(model: nn.Module, world_size: int, example_inputs=None, *, example_kwargs=None,

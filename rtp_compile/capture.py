@@ -30,6 +30,7 @@ class Captured:
     aliases: dict[str, list[str]] = field(default_factory=dict)  # canonical -> every name
     state_keys: list[str] = field(default_factory=list)          # the model's state_dict keys
     reference: fx.GraphModule | None = None      # the graph before any pass (for the cost model)
+    model: nn.Module | None = field(default=None, repr=False)    # what was captured (meta init)
 
     @property
     def param_aliases(self) -> set[str]:
@@ -63,7 +64,7 @@ def capture(model: nn.Module, example_inputs=None, example_kwargs=None) -> Captu
         gm, level = _export(model, example_inputs, example_kwargs, "the given example inputs"), \
             "aten"
     canonicalise_parameter_reads(gm, aliases)
-    return Captured(gm, level, params, aliases, list(model.state_dict().keys()))
+    return Captured(gm, level, params, aliases, list(model.state_dict().keys()), model=model)
 
 
 def _named_inputs(model: nn.Module) -> list[str]:

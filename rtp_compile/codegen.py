@@ -67,8 +67,13 @@ class RankEmitter:
     """Builds the GraphModule of one rank from the shared program."""
 
     def __init__(self, program_gm: fx.GraphModule, plan: Plan, bodies, params, rank: int,
-                 group_name: str, grad_scale: float, device=None, broadcast_buffers=True):
+                 group_name: str, grad_scale: float, device=None, broadcast_buffers=True,
+                 shards: dict[str, torch.Tensor] | None = None,
+                 attrs: dict[str, torch.Tensor] | None = None):
+        """`shards`: this rank's parameter shards, ready (default: cut from `params`);
+        `attrs`: values for buffers / constants of the program (default: copies of its own)."""
         self.src, self.plan, self.bodies, self.params = program_gm, plan, bodies, params
+        self.shards, self.attrs = shards or {}, attrs or {}
         self.rank, self.n, self.group_name = rank, plan.world_size, group_name
         self.grad_scale, self.device = grad_scale, device
         self.broadcast_buffers = broadcast_buffers
@@ -102,7 +107,7 @@ class RankEmitter:
                 _install(gm, name, self._shard(name))
         for name, buffer in self.src.named_buffers():  # unread buffers still belong to the state
             if name not in self.root:
-                _install(gm, name, buffer.detach().clone().to(self.device or buffer.device))
+                _install(gm, name, self._attr_value(name, buffer))
         for spec in ("_in_spec", "_out_spec"):
             if hasattr(self.src, spec):
                 setattr(gm, spec, getattr(self.src, spec))
@@ -128,16 +133,24 @@ class RankEmitter:
                 self.root[node.target] = self._shard(node.target)
             else:
                 value = operator.attrgetter(node.target)(self.src)
-                self.root[node.target] = value.detach().clone().to(self.device or value.device) \
+                self.root[node.target] = self._attr_value(node.target, value) \
                     if isinstance(value, torch.Tensor) else value
         elif node.op == "call_module" and node.target not in self.root:
             self.root[node.target] = copy.deepcopy(self.src.get_submodule(node.target))
 
+    def _attr_value(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """This rank's copy of a buffer or constant: the materialised one, else the program's."""
+        if name in self.attrs:
+            return self.attrs[name]
+        return value.detach().clone().to(self.device or value.device)
+
     def _shard(self, name: str) -> nn.Parameter:
-        layout, full = self.plan.params[name], self.params[name]
-        shard = layout.shard(full.detach(), self.rank)
-        if self.device is not None:
-            shard = shard.to(self.device)
+        full = self.params[name]
+        shard = self.shards.get(name)
+        if shard is None:
+            shard = self.plan.params[name].shard(full.detach(), self.rank)
+            if self.device is not None:
+                shard = shard.to(self.device)
         return nn.Parameter(shard, requires_grad=full.requires_grad)
 
     # -- units -------------------------------------------------------------------------------

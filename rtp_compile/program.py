@@ -8,6 +8,8 @@ from torch import nn
 
 from rtp_compile.capture import Captured
 from rtp_compile.codegen import RankEmitter, job_of
+from rtp_compile.materialize import (checkpoint_keys, open_checkpoint, rank_tensors,
+                                     retarget_meta)
 from rtp_compile.runtime.ring import resolve_group
 from rtp_compile.passes.plan import Plan
 
@@ -30,21 +32,36 @@ class RTPProgram:
         return self.graph_module.graph
 
     def module(self, rank: int, group: dist.ProcessGroup | None = None, device=None,
-               broadcast_buffers: bool = True) -> fx.GraphModule:
+               broadcast_buffers: bool = True, *, seed: int = 0,
+               checkpoint=None) -> fx.GraphModule:
         """The GraphModule of `rank` (rank within `group`, default the whole job).
 
         Its parameters are this rank's shards only, under the model's parameter names. Buffers
         are whole on every rank; as with DDP's default, each forward first takes the group's
         first rank's buffers (`broadcast_buffers=False`: each rank keeps its own).
+
+        `device`: where the shards and buffers live (default: where the model's are). For a model
+        built on the meta device, `device=...` materialises only this rank's shards there: each
+        module's own parameters are made by its initialisers, seeded from (`seed`, the module's
+        name), cut to this rank's shard and freed, one module at a time, so the values are the
+        same for every world size and equal `rtp_compile.materialize_full(model, seed, device)`
+        (exact semantics: `rtp_compile.materialize`). `checkpoint`: instead read the parameters
+        and persistent buffers from a full state_dict (a `torch.save` file, memory-mapped, a
+        `.safetensors` file or a directory of them, or a mapping), only this rank's part of each,
+        one parameter at a time; every key and shape is checked first.
         """
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"rtp_compile: rank must be an int in [0, {self.world_size}), "
                              f"got {rank!r}")
         group_name = "" if group is None or group == dist.group.WORLD else group.group_name
         scale = 1.0 / self.world_size if self.grad_reduction == "mean" else 1.0
+        tensors = rank_tensors(self, rank, device, seed, checkpoint)
         emitter = RankEmitter(self.graph_module, self.plan, self._bodies, self._captured.params,
-                              rank, group_name, scale, device, broadcast_buffers)
+                              rank, group_name, scale, device, broadcast_buffers,
+                              shards=tensors.shards, attrs=tensors.attrs)
         gm = emitter.emit()
+        if tensors.device is not None:  # a meta model's graph, now on a real device
+            retarget_meta(gm, tensors.device)
         return gm
 
     def report(self) -> str:
@@ -129,22 +146,23 @@ class RTPProgram:
         dist.all_gather(out, shard.contiguous(), group=resolve_group(group_name))
         return out
 
-    def load_full_state_dict(self, gm: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-        """Take a full state_dict (as from full_state_dict or the unsharded model) into the shards."""
+    def load_full_state_dict(self, gm: nn.Module, state_dict) -> None:
+        """Take a full state_dict into the shards of `gm`: a mapping (as from full_state_dict or
+        the unsharded model), or a path to one (`torch.save` file, read memory-mapped; a
+        `.safetensors` file or a directory of them), read one parameter at a time, only this
+        rank's part. Every key and shape is checked before anything is written; a tied
+        parameter may be stored under any of its names."""
         rank = job_of(gm).rank
-        missing = [k for k in self._captured.state_keys if k not in state_dict]
-        if missing:
-            raise KeyError(f"rtp_compile: load_full_state_dict is missing {missing[:5]}"
-                           f"{' ...' if len(missing) > 5 else ''}")
-        for name, layout in self.plan.params.items():  # check all before writing any
-            if tuple(state_dict[name].shape) != layout.shape:
-                raise ValueError(f"rtp_compile: parameter {name} has shape "
-                                 f"{tuple(state_dict[name].shape)} in the state_dict, the model "
-                                 f"has {layout.shape}")
-        with torch.no_grad():
-            for name, layout in self.plan.params.items():
-                value = state_dict[name]
-                param = gm.get_parameter(name)
-                param.copy_(layout.shard(value.to(param.device, param.dtype), rank))
-            for name in self._buffer_names:
-                gm.get_buffer(name).copy_(state_dict[name])
+        source = open_checkpoint(state_dict)
+        try:
+            buffers = {n: tuple(gm.get_buffer(n).shape) for n in self._buffer_names}
+            keys = checkpoint_keys(source, self.plan.params, buffers, "load_full_state_dict")
+            with torch.no_grad():
+                for name, layout in self.plan.params.items():
+                    param = gm.get_parameter(name)
+                    param.copy_(source.read_shard(keys[name], layout, rank)
+                                .to(param.device, param.dtype))
+                for name in self._buffer_names:
+                    gm.get_buffer(name).copy_(source.read(keys[name]))
+        finally:
+            source.close()
