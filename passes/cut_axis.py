@@ -200,6 +200,9 @@ class CutWalk:
             if (mine.dim, mine.size) != (cut.dim, cut.size):
                 raise NotExact(f"{node.name} combines values cut on different axes")
             return
+        val = value.meta.get("val")
+        if val is not None and not isinstance(val, torch.Tensor):
+            return  # a number (a scale from a size): nothing to cut
         shape = _known_shape(value, self.gm)
         if shape is None:
             rank = len(cut.shape) if cut.shape else None
@@ -223,7 +226,7 @@ class CutWalk:
         cut = getattr(self, f"_{kind}")(node)
         meta = meta_shape(node)
         if cut is not None and meta is not None:
-            if not _same(meta[cut.dim], sympy.Integer(cut.size)):
+            if len(meta) < -cut.dim or not _same(meta[cut.dim], sympy.Integer(cut.size)):
                 raise NotExact(f"{node.name}: the cut extent {cut.size} disagrees with its shape")
             cut = Cut(cut.dim, cut.size, meta)
         return cut
