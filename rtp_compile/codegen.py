@@ -178,6 +178,9 @@ class RankEmitter:
             elif event.action == "wait":
                 self.tracer.create_node("call_function", torch.ops.rtp.ring_wait.default,
                                         (received,), {}, name=f"{name}_wait{k}")
+                if k == self.n - 1:  # the unit's last hop: no buffer waits idle through compute
+                    self.tracer.create_node("call_function", torch.ops.rtp.ring_release.default,
+                                            (), {}, name=f"{name}_release")
                 views = unpack(proxy(received), specs)
                 for view, r in zip(views, roles):
                     view.node._rename(f"{name}_{r.replace('.', '_')}{k}")

@@ -111,17 +111,19 @@ def parity(rank: int, world_size: int, names: list[str], seed: int, steps: int =
 
 
 class ShardBufferTracker(torch.utils._python_dispatch.TorchDispatchMode):
-    """Watches every tensor any op creates: how many ring buffers of each unit (one flat
-    message: one shard of each of its parameters) are alive at once, by storage, and whether
-    any tensor of a weight's full size ever appears."""
+    """Watches every tensor any op creates: how many ring buffers (a flat message: one shard of
+    each parameter of a unit) are alive at once, by storage, besides the rank's own shards and
+    the gradients already produced; how many were ever allocated; and whether any tensor of a
+    weight's full size ever appears."""
 
-    def __init__(self, units: dict[str, int], full: dict[str, int], owned: set[int]):
+    def __init__(self, message_bytes: set[int], full: dict[str, int], params: list):
         super().__init__()
-        self.units = units          # unit -> bytes of one flat message (its shards)
-        self.full = full            # weight -> bytes of the full weight
-        self.owned = owned          # storages of the rank's own parameters: not transient
-        self.alive: dict[str, dict[int, object]] = {n: {} for n in units}
-        self.peak: dict[str, int] = {n: 0 for n in units}
+        self.message_bytes = message_bytes  # bytes of one flat message, per unit
+        self.full = full                    # weight -> bytes of the full weight
+        self.params = params
+        self.owned = {p.untyped_storage().data_ptr() for p in params}
+        self.alive: dict[int, object] = {}
+        self.peak = self.created = 0
         self.full_size: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -134,47 +136,49 @@ class ShardBufferTracker(torch.utils._python_dispatch.TorchDispatchMode):
             for name, full_bytes in self.full.items():
                 if storage.nbytes() == full_bytes or t.numel() * t.element_size() == full_bytes:
                     self.full_size.append(f"{func} made a {tuple(t.shape)} tensor ({name} size)")
-            for name, unit_bytes in self.units.items():
-                if storage.nbytes() == unit_bytes and storage.data_ptr() not in self.owned:
-                    self.alive[name][storage.data_ptr()] = weakref.ref(storage)
-        for name, refs in self.alive.items():
-            for key in [k for k, r in refs.items() if r() is None]:
-                del refs[key]
-            self.peak[name] = max(self.peak[name], len(refs))
+            key = storage.data_ptr()
+            if storage.nbytes() in self.message_bytes and key not in self.owned and \
+                    (key not in self.alive or self.alive[key]() is None):
+                self.alive[key] = weakref.ref(storage)
+                self.created += 1
+        self.peak = max(self.peak, len(self.live()))
         return out
 
-    def reset_peaks(self):
-        self.peak = {n: 0 for n in self.units}
+    def live(self) -> set[int]:
+        """Message buffers alive now, gradients already produced left out."""
+        grads = {p.grad.untyped_storage().data_ptr() for p in self.params if p.grad is not None}
+        return {k for k, r in self.alive.items() if r() is not None and k not in grads}
+
+    def reset(self):
+        self.peak = self.created = 0
 
 
 def buffer_peaks(rank: int, world_size: int, seed: int) -> dict:
-    """Peak number of live ring buffers per unit, forward and backward, for a model whose
-    sizes are unique (no activation shares a unit's or a weight's byte size)."""
+    """Peak number of live ring buffers, and how many were allocated, forward and backward,
+    for a model whose sizes are unique (no activation shares a unit's or a weight's byte
+    size)."""
     from torch import nn
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 19), nn.Tanh(),
                           nn.Linear(19, 3)).double()
     prog = rtp_compile.transform(model, world_size)
     gm = prog.module(rank)
-    units = {u.name: sum(prog.plan.params[p].shard_bytes for p in u.params.values())
-             for u in prog.plan.units}
+    messages = {sum(prog.plan.params[p].shard_bytes for p in u.params.values())
+                for u in prog.plan.units}
     full = {name: math.prod(lay.shape) * 8 for name, lay in prog.plan.params.items()
             if name.endswith("weight")}
     x = torch.randn(9, 24, dtype=torch.float64, requires_grad=True)  # no activation of those sizes
-    owned = {p.untyped_storage().data_ptr() for p in gm.parameters()}
-    with ShardBufferTracker(units, full, owned) as tracker:
+    with ShardBufferTracker(messages, full, list(gm.parameters())) as tracker:
         loss = gm(x).pow(2).sum()
-        forward = dict(tracker.peak)
-        tracker.reset_peaks()
+        forward = {"peak": tracker.peak, "created": tracker.created}
+        tracker.reset()
         loss.backward()
-        backward = dict(tracker.peak)
+        backward = {"peak": tracker.peak, "created": tracker.created}
     del loss
-    grads = {p.grad.untyped_storage().data_ptr() for p in gm.parameters()}
-    leftover = {name: len([k for k, r in refs.items() if r() is not None and k not in grads])
-                for name, refs in tracker.alive.items()}
     from rtp_compile.runtime import ring
     return {"forward": forward, "backward": backward, "full_size": tracker.full_size,
-            "leftover": leftover, "pending": len(ring._pending),
+            "leftover": len(tracker.live()), "pending": len(ring._pending),
+            "pooled": len(ring.pool.buffers), "units": len(prog.plan.units),
             "kinds": sorted(u.kind for u in prog.plan.units)}
 
 
