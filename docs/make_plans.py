@@ -13,7 +13,7 @@ import rtp_compile  # noqa: E402
 from hf_zoo import HF_ZOO, build_hf, hf_batch  # noqa: E402
 from zoo import ZOO, batch, build  # noqa: E402
 
-WORLD_SIZE = 3
+WORLD_SIZE = 2
 
 
 def sections():

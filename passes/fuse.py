@@ -72,8 +72,8 @@ def _is_shape_read(node: fx.Node) -> bool:
 class BlockFinder:
     """The graph views every block search shares (networkx)."""
 
-    def __init__(self, gm: fx.GraphModule, plan: Plan):
-        self.gm, self.plan = gm, plan
+    def __init__(self, gm: fx.GraphModule, plan: Plan, max_padding: float):
+        self.gm, self.plan, self.max_padding = gm, plan, max_padding
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.graph = nx.DiGraph((i, n) for n in gm.graph.nodes for i in n.all_input_nodes)
@@ -132,16 +132,21 @@ class BlockFinder:
         hidden = self.plan.params[tail.params["weight"]].shape[_linear_dims(tail)[1]]
         walk = CutWalk(self.gm, region, widths, t_in, hidden)
         g, n = walk.groups(), self.plan.world_size
-        if n > 1 and (g < 2 or math.ceil(g / n) * n > 2 * g):
+        # beyond what cutting the same width element by element pads anyway
+        padding = math.ceil(g / n) * (hidden // g) / math.ceil(hidden / n) - 1 if g else 0
+        if n > 1 and (g < 2 or padding > self.max_padding):
             raise NotExact(f"only {g} whole head group(s) for {n} ranks: shards of whole "
-                           f"groups would more than double the block's weights per rank")
+                           f"groups would add {padding:.0%} to the block's weights per rank "
+                           f"(fuse_padding allows {self.max_padding:.0%})")
         return walk
 
 
-def fuse_blocks(gm: fx.GraphModule, plan: Plan) -> Plan:
+def fuse_blocks(gm: fx.GraphModule, plan: Plan, max_padding: float = 0.02) -> Plan:
     """Merge every exact column-split -> region -> linear block into one fused unit; record
-    why each attention block that is not fused is not."""
-    finder = BlockFinder(gm, plan)
+    why each attention block that is not fused is not. Attention is cut in whole head groups:
+    a block whose groups N does not divide is fused only if that padding adds at most
+    `max_padding` to its weights per rank (memory at 1/N comes first)."""
+    finder = BlockFinder(gm, plan, max_padding)
     for tail in [u for u in plan.units if u.kind == "rotate" and u.call.rule.name == "linear"]:
         if tail not in plan.units:
             continue

@@ -22,17 +22,23 @@ __all__ = ["transform", "launch", "RTPProgram", "CaptureError", "RankError", "ma
 
 
 def transform(model: nn.Module, world_size: int, example_inputs=None, *, example_kwargs=None,
-              grad_reduction: str = "mean", fuse: bool = True) -> RTPProgram:
+              grad_reduction: str = "mean", fuse: bool = True,
+              fuse_padding: float = 0.02) -> RTPProgram:
     """Compile `model` for `world_size` ranks; needs no process group.
 
     Without example inputs the model is traced with torch.fx (or exported with the
     `dummy_inputs` a transformers model carries); with them, torch.export is used.
     `grad_reduction`: "mean" (like DDP) or "sum" over the ranks' batches.
-    `fuse`: rotate each MLP / SwiGLU block as one unit (`passes.fuse`), on where exact.
-    """
+    `fuse`: rotate each MLP / SwiGLU / attention block as one unit (`passes.fuse`), on where
+    exact. `fuse_padding`: attention is cut in whole head groups; where N does not divide them,
+    a block is fused only if the padding adds at most this share to its weights per rank
+    (default 2%; 1.0 allows doubling them for the fused block's speed)."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"rtp_compile.transform: world_size must be a positive int, "
                          f"got {world_size!r}")
+    if not isinstance(fuse_padding, (int, float)) or fuse_padding < 0:
+        raise ValueError(f"rtp_compile.transform: fuse_padding must be a share >= 0 (0.02 = 2%), "
+                         f"got {fuse_padding!r}")
     if grad_reduction not in ("mean", "sum"):
         raise ValueError(f"rtp_compile.transform: grad_reduction must be 'mean' or 'sum', "
                          f"got {grad_reduction!r}")
@@ -46,6 +52,6 @@ def transform(model: nn.Module, world_size: int, example_inputs=None, *, example
     split_norm_affine(gm)
     plan = plan_sharding(gm, world_size, captured.params, captured.aliases)
     if fuse:
-        fuse_blocks(gm, plan)
+        fuse_blocks(gm, plan, fuse_padding)
     gm, bodies = rotate(gm, plan)
     return RTPProgram(captured, gm, plan, bodies, grad_reduction)

@@ -367,7 +367,7 @@ def test_attention_heads_fuse_through_the_output_projection(world_size, capture)
     bias -> o_proj: one unit each, cut in whole head groups (a kv head with its q heads)."""
     from zoo import batch
     example = (batch("attention", 0, 0, 0),) if capture == "export" else None
-    plan = _plan(build("attention", 0), world_size, example_inputs=example)
+    plan = _plan(build("attention", 0), world_size, example_inputs=example, fuse_padding=1.0)
     fused = _fused(plan)
     assert sorted(fused) == ["o_0", "o_1", "o_2"] and not plan.unfused
     assert all(f.attention for f in fused.values())
@@ -381,7 +381,13 @@ def test_attention_heads_fuse_through_the_output_projection(world_size, capture)
     # the per-head slope bias (a buffer) is cut with the heads; the mask broadcasts over them
     kinds = {r.kind for rs in fused["o_2"].rewrites.values() for r in rs}
     assert kinds >= {"size", "slice" if capture == "export" else "check"}
-    assert "o.0" in rtp_compile.transform(build("attention", 0), world_size).report()
+    assert "o.0" in rtp_compile.transform(build("attention", 0), world_size,
+                                          fuse_padding=1.0).report()
+    # by default memory comes first: only blocks whose groups N divides are fused
+    default = _plan(build("attention", 0), world_size, example_inputs=example)
+    assert sorted(_fused(default)) == [n for n, g in (("o_0", 3), ("o_1", 2), ("o_2", 3))
+                                       if g % world_size == 0]
+    assert all("fuse_padding allows 2%" in why for why in default.unfused.values())
 
 
 def test_attention_is_not_fused_where_it_would_not_be_exact():

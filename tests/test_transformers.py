@@ -15,8 +15,8 @@ from jobs import hf_parity  # noqa: E402
 
 FLOAT64 = ["gpt2", "bert", "t5", "vit", "torch_encoder"]
 FLOAT32_NORMS = ["llama", "mixtral"]
-# separate q/k/v projections: attention fuses through o_proj (Llama and Mixtral with GQA and
-# rotary, BERT with its attention mask, ViT); GPT-2 (packed c_attn), T5 (learned position bias,
+# separate q/k/v projections: attention fuses through o_proj at N=2 (Llama and Mixtral with GQA
+# and rotary, BERT with its attention mask, ViT); GPT-2 (packed c_attn), T5 (learned position bias,
 # cross-attention) and nn.MultiheadAttention (packed in_proj) say why not in the report
 ATTENTION_FUSED = {"llama": 2, "mixtral": 1, "bert": 2, "vit": 2}
 
@@ -33,8 +33,13 @@ def test_real_models_match_unsharded_and_ddp(world_size, seed):
                 assert err <= tol, f"rank {rank} {name}: {what} rel. error {err:.2e}\n" \
                                    f"{per_model[(name, 'report')]}"
             report = per_model[(name, "report")]
-            assert report.count("attention heads of 3 projection(s)") == \
-                ATTENTION_FUSED.get(name, 0), f"{name}:\n{report}"
-            assert ("not fused" in report) == (name not in ATTENTION_FUSED), report
+            # their 2 head groups cannot be cut evenly for 3 ranks: the default keeps memory
+            # at 1/N rather than pad to whole groups, and says so
+            fused = ATTENTION_FUSED.get(name, 0) if world_size == 2 else 0
+            assert report.count("attention heads of 3 projection(s)") == fused, \
+                f"{name}:\n{report}"
+            assert ("not fused" in report) == (fused == 0), report
+            if world_size == 3 and name in ATTENTION_FUSED:
+                assert "fuse_padding allows 2%" in report, report
             got, expected = per_model[(name, "type")]
             assert got == expected, f"{name}: output structure {got}, model gives {expected}"
