@@ -46,7 +46,8 @@ class Cost:
               "activation_bytes", "peak_bytes", "traffic_bytes")
 
     def at(self, world_size: int) -> "Cost":
-        """The same model evaluated for another number of ranks."""
+        """These expressions evaluated for another number of ranks: the same plan with
+        shards of that size (`prog.for_world_size(n).cost(...)` plans for n itself)."""
         activations = self.activation_bytes
         values = {f: int(sympy.ceiling(self.expressions[f].subs({N: world_size, A: activations})))
                   for f in self.FIELDS}

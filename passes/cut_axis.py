@@ -424,10 +424,15 @@ class CutWalk:
             raise NotExact(f"{node.name} concatenates along the head axis")
         return Cut(cut.dim, cut.size)
 
+    @staticmethod
+    def _dim_is_cut(node, cut) -> bool:
+        """Whether the op's `dim` (second argument or keyword; none: all dims) is the cut axis."""
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        return dim is None or _neg(dim, len(cut.shape) if cut.shape else None, node.name) == cut.dim
+
     def _softmax(self, node):
         cut = self._cut_arg(node, node.args[0])
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        if dim is None or _neg(dim, len(cut.shape) if cut.shape else None, node.name) == cut.dim:
+        if self._dim_is_cut(node, cut):
             raise NotExact(f"{node.name}: softmax over the head / hidden axis mixes the shards")
         return cut
 
@@ -458,9 +463,7 @@ class CutWalk:
         return cut
 
     def _size(self, node):
-        cut = self._cut_arg(node, node.args[0])
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        if dim is None or _neg(dim, len(cut.shape) if cut.shape else None, node.name) == cut.dim:
+        if self._dim_is_cut(node, self._cut_arg(node, node.args[0])):
             raise NotExact(f"{node.name} reads the extent of the head / hidden axis")
         return None
 

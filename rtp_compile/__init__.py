@@ -43,15 +43,22 @@ def transform(model: nn.Module, world_size: int, example_inputs=None, *, example
         raise ValueError(f"rtp_compile.transform: grad_reduction must be 'mean' or 'sum', "
                          f"got {grad_reduction!r}")
     captured = capture(model, example_inputs, example_kwargs)
+    captured.reference = fx.GraphModule(captured.gm, copy.deepcopy(captured.gm.graph))
+    return compile_program(captured, world_size, grad_reduction=grad_reduction, fuse=fuse,
+                           fuse_padding=fuse_padding)
+
+
+def compile_program(captured, world_size: int, **options) -> RTPProgram:
+    """The passes, in order, on a captured model (its graph is rewritten in place), and the
+    program they make for `world_size` (options: grad_reduction, fuse, fuse_padding)."""
     gm = captured.gm
-    captured.reference = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # shares the parameters
     if captured.level == "function":
         lower_modules(gm)
         canonicalise_parameter_reads(gm, captured.aliases)  # lowered modules read tied aliases
         fold_parameter_metadata(gm)
     split_norm_affine(gm)
     plan = plan_sharding(gm, world_size, captured.params, captured.aliases)
-    if fuse:
-        fuse_blocks(gm, plan, fuse_padding)
+    if options["fuse"]:
+        fuse_blocks(gm, plan, options["fuse_padding"])
     gm, bodies = rotate(gm, plan)
-    return RTPProgram(captured, gm, plan, bodies, grad_reduction)
+    return RTPProgram(captured, gm, plan, bodies, options)

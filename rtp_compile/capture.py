@@ -30,6 +30,7 @@ class Captured:
     aliases: dict[str, list[str]] = field(default_factory=dict)  # canonical -> every name
     state_keys: list[str] = field(default_factory=list)          # the model's state_dict keys
     reference: fx.GraphModule | None = None      # the graph before any pass (for the cost model)
+    profiles: dict = field(default_factory=dict, repr=False)     # cost model: per batch shape
     model: nn.Module | None = field(default=None, repr=False)    # what was captured (meta init)
 
     @property

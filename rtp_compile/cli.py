@@ -132,11 +132,11 @@ def _run_plan(args: argparse.Namespace) -> None:
               f"{len(prog.plan.units)} units")
         print(rtp_compile.cost.table(prog, args.batch_size, args.seq_len, args.world_sizes,
                                      args.optimizer))
-        cost = prog.cost(args.batch_size, args.seq_len, args.optimizer)
         for n in args.world_sizes:
-            exact = n_params * dtype.itemsize / n
-            print(f"  N={n}: RTP parameter bytes per rank {cost.at(n).param_bytes:,} = "
-                  f"{cost.at(n).param_bytes / exact:.4f} x full/N")
+            held = prog.for_world_size(n).cost(args.batch_size, args.seq_len,
+                                               args.optimizer).param_bytes
+            print(f"  N={n}: RTP parameter bytes per rank {held:,} = "
+                  f"{held / (n_params * dtype.itemsize / n):.4f} x full/N")
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
         print(f"  planned in {time.perf_counter() - start:.0f} s, peak RSS {rss:.2f} GiB\n")
 

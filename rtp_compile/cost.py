@@ -38,15 +38,18 @@ def fsdp(prog, batch_size: int, seq_len: int | None = None, optimizer: str = "ad
 
 def table(prog, batch_size: int, seq_len: int | None = None, world_sizes=None,
           optimizer: str = "adamw", dtype=None, example_kwargs=None) -> str:
-    """DDP, FSDP2 and RTP side by side (GiB per rank), for each world size (default: the
-    program's). The plan is the same for every N; only the shard sizes change with it."""
-    costs = [f(prog, batch_size, seq_len, optimizer, dtype, example_kwargs)
-             for f in (ddp, fsdp, rtp)]
-    unit, scale = ("GiB", 2 ** 30) if costs[0].peak_bytes >= 2 ** 30 else ("MiB", 2 ** 20)
+    """DDP, FSDP2 and RTP side by side (GiB or MiB per rank), for each world size (default:
+    the program's), each with the plan made for it (`prog.for_world_size`)."""
+    def costs(p):
+        return [f(p, batch_size, seq_len, optimizer, dtype, example_kwargs)
+                for f in (ddp, fsdp, rtp)]
+
+    peak = costs(prog)[0].peak_bytes
+    unit, scale = ("GiB", 2 ** 30) if peak >= 2 ** 30 else ("MiB", 2 ** 20)
     rows = [("N", "kind", "params", "grads", "optimizer", "activations", "transient", "peak",
              "peak/FSDP2", "traffic")]
     for n in world_sizes or (prog.world_size,):
-        at = [c.at(n) for c in costs]
+        at = [c.at(n) for c in costs(prog.for_world_size(n))]
         for c in at:
             rows.append((str(n), c.kind, *[f"{getattr(c, f) / scale:.2f}" for f in (
                 "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",

@@ -1,6 +1,8 @@
 """RTPProgram: the plan, the rank-generic program, and what each rank needs from them."""
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -18,11 +20,12 @@ class RTPProgram:
     """One model compiled for `world_size` ranks: `module(rank)` emits a rank's GraphModule."""
 
     def __init__(self, captured: Captured, graph_module: fx.GraphModule, plan: Plan, bodies,
-                 grad_reduction: str):
+                 options: dict):
         self.plan = plan
         self.world_size = plan.world_size
         self.graph_module = graph_module      # rank-generic: units are markers
-        self.grad_reduction = grad_reduction
+        self.options = dict(options)          # transform's: grad_reduction, fuse, fuse_padding
+        self.grad_reduction = options["grad_reduction"]
         self._captured = captured
         self._bodies = bodies
         self._buffer_names = [n for n in captured.state_keys if n not in captured.param_aliases]
@@ -101,6 +104,19 @@ class RTPProgram:
     def __repr__(self) -> str:
         return f"{self.report()}\n\n{self.plan}"
 
+    def for_world_size(self, world_size: int) -> "RTPProgram":
+        """The same model compiled for another number of ranks, without capturing it again
+        (the plan can differ: padding decides which attention blocks fuse)."""
+        import dataclasses
+
+        from rtp_compile import compile_program
+        if world_size == self.world_size:
+            return self
+        ref = self._captured.reference
+        captured = dataclasses.replace(self._captured,
+                                       gm=fx.GraphModule(ref, copy.deepcopy(ref.graph)))
+        return compile_program(captured, world_size, **self.options)
+
     def cost(self, batch_size: int, seq_len: int | None = None, optimizer: str = "adamw",
              dtype: torch.dtype | None = None, example_kwargs: dict | None = None):
         """Predicted per-rank bytes of one training step on a per-rank batch (`passes.cost`):
@@ -118,7 +134,7 @@ class RTPProgram:
             if example_kwargs is None else \
             {k: (tuple(v.shape), v.dtype) for k, v in example_kwargs.items()}
         key = tuple(sorted((k, shape, str(dtype)) for k, (shape, dtype) in specs.items()))
-        profiles = self.__dict__.setdefault("_profiles", {})
+        profiles = self._captured.profiles  # shared by the programs of one capture
         if key not in profiles:
             profiles[key] = cost.profile_forward(self._captured.reference, self._captured.params,
                                                  specs)
