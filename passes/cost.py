@@ -48,10 +48,7 @@ class Cost:
     def at(self, world_size: int) -> "Cost":
         """These expressions evaluated for another number of ranks: the same plan with
         shards of that size (`prog.for_world_size(n).cost(...)` plans for n itself)."""
-        activations = self.activation_bytes
-        values = {f: int(sympy.ceiling(self.expressions[f].subs({N: world_size, A: activations})))
-                  for f in self.FIELDS}
-        return Cost(self.kind, world_size, **values, expressions=self.expressions)
+        return _evaluate(self.kind, world_size, self.expressions, self.activation_bytes)
 
     def __str__(self) -> str:
         rows = [(f.removesuffix("_bytes"), f"{getattr(self, f) / 2 ** 20:,.2f}",
@@ -146,21 +143,15 @@ def profile_forward(module: torch.nn.Module, params: dict[str, torch.Tensor], in
 
 
 def _meta_to_cpu(module):
-    """A copy of a graph captured on the meta device that runs on (fake) cpu tensors: devices
-    written into the graph become cpu (on meta, attention would take its unfused path and seem
-    to save its whole score matrix)."""
+    """A copy of a graph captured on the meta device that runs on (fake) cpu tensors (on meta,
+    attention would take its unfused path and seem to save its whole score matrix)."""
     import copy
     import torch.fx as fx
+    from rtp_compile.materialize import retarget_meta
 
-    def to_cpu(value):
-        return torch.device("cpu") if isinstance(value, torch.device) and value.type == "meta" \
-            else value
-
-    graph = copy.deepcopy(module.graph)
-    for node in graph.nodes:
-        node.args = fx.node.map_aggregate(node.args, to_cpu)
-        node.kwargs = fx.node.map_aggregate(node.kwargs, to_cpu)
-    return fx.GraphModule(module, graph)
+    on_cpu = fx.GraphModule(module, copy.deepcopy(module.graph))
+    retarget_meta(on_cpu, torch.device("cpu"))
+    return on_cpu
 
 
 def _attr(module, target: str):

@@ -20,7 +20,7 @@ from rtp_compile.runtime.ring import BufferBroadcast, JobCheck, unpack
 from rtp_compile.op_rules import Combine
 from rtp_compile.passes.plan import Plan
 from rtp_compile.passes.rotate import fused_unit, gathered_op, rotation_unit
-from rtp_compile.runtime.fused import LINEAR, FusedUnit, sub_roles
+from rtp_compile.runtime.fused import LINEAR, FusedUnit, head_groups, sub_roles
 from rtp_compile.runtime.units import GatherUnit, RotationUnit
 from rtp_compile.passes.schedule import forward_schedule, forward_shard
 
@@ -255,9 +255,8 @@ class RankEmitter:
                      for i, h in enumerate(fusion.heads)]
             saved[s] = [h.node for h in heads]
             # this shard's groups of the cut axis (whole heads), as constants of the step
-            first, groups = (slots["tail.weight"].offset // tail_layout.granule,
-                             width // tail_layout.granule)
-            hidden = body(first, groups, *heads, *[fx.Proxy(e, self.tracer) for e in externals])
+            hidden = body(*head_groups(slots, tail_layout), *heads,
+                          *[fx.Proxy(e, self.tracer) for e in externals])
             return LINEAR.row_partial(fusion.tail.call.options, hidden, *tail)
 
         parts = self._unrolled_steps(name, x_node, params, roles, layouts, compute)

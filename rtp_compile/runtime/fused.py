@@ -18,6 +18,12 @@ from rtp_compile.runtime.units import RingUnit
 LINEAR = LinearRule()
 
 
+def head_groups(slots, tail_layout) -> tuple[int, int]:
+    """(first group, groups held) of the cut axis (whole heads) in the shard with these slots."""
+    slot = slots["tail.weight"]
+    return slot.offset // tail_layout.granule, slot.valid // tail_layout.granule
+
+
 def sub_roles(values: dict, prefix: str) -> dict:
     """{"weight": ..., "bias": ...} of one linear of the block, from its "prefix.role" keys."""
     return {r.split(".", 1)[1]: v for r, v in values.items() if r.split(".", 1)[0] == prefix}
@@ -49,11 +55,6 @@ class FusedUnit(RingUnit):
                                "values that carry no gradient); compile with fuse=False")
         return super().forward(y, x, *tensors)
 
-    def groups_of(self, slots) -> tuple[int, int]:
-        """(first group, groups held) of the shard with these slots."""
-        slot, granule = slots["tail.weight"], self.layouts[self.tail_weight].granule
-        return slot.offset // granule, slot.valid // granule
-
     def _width(self, slots) -> int:
         return slots["tail.weight"].valid
 
@@ -78,7 +79,8 @@ class FusedUnit(RingUnit):
                 return scratch
             heads = [h.detach().requires_grad_(True) for h in self._saved_heads(shard, saved)]
             with torch.enable_grad():
-                h = self.body(*self.groups_of(slots), *heads, *saved[:self.n_externals])
+                h = self.body(*head_groups(slots, self.layouts[self.tail_weight]), *heads,
+                              *saved[:self.n_externals])
             scratch["h"] = h.detach()
             scratch["dheads"] = torch.autograd.grad(h, heads, dy @ w_tail)
         return scratch

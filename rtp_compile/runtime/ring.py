@@ -98,7 +98,7 @@ class BufferPool:
     last hop, so no idle buffer waits through the last step's compute or between units (a
     pool kept across units would hold two of the largest unit's messages through the whole
     pass: +3% peak on the memory benchmark at N=2; the device's caching allocator reuses
-    memory across units without that). A request no free buffer can hold drops the free ones."""
+    memory across units without that). A request no free buffer matches drops the free ones."""
 
     def __init__(self):
         self.buffers: list[torch.Tensor] = []
@@ -110,39 +110,19 @@ class BufferPool:
 
     def take(self, numel: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
         """A flat `dtype` tensor of `numel` elements on `like`'s device (contents undefined)."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        free = [b for b in self.buffers if b.device == like.device and self._unused(b)]
-        fitting = [b for b in free if b.numel() >= nbytes]
-        if fitting:
-            buffer = min(fitting, key=torch.Tensor.numel)
-        else:
+        free = [b for b in self.buffers if self._unused(b)]
+        match = [b for b in free if (b.numel(), b.dtype, b.device) == (numel, dtype, like.device)]
+        if not match:
             self.buffers = [b for b in self.buffers if not any(b is f for f in free)]
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
-            self.buffers.append(buffer)
-        return buffer[:nbytes].view(dtype)
+            match = [torch.empty(numel, dtype=dtype, device=like.device)]
+            self.buffers.append(match[0])
+        return match[0].view(-1)  # a view: while it lives, the storage counts as in use
 
     def release(self) -> None:
         self.buffers = []
 
 
 pool = BufferPool()
-_release_queued = False
-
-
-def release_buffers() -> None:
-    """Let the pool's buffers go (after a unit's last hop; at the end of a backward pass)."""
-    global _release_queued
-    pool.release()
-    _release_queued = False
-
-
-def release_after_backward() -> None:
-    """Called from a unit's backward: release the pool when the whole backward pass ends, even
-    if a unit stopped before its last hop."""
-    global _release_queued
-    if not _release_queued:
-        torch.autograd.Variable._execution_engine.queue_callback(release_buffers)
-        _release_queued = True
 
 
 def pack(tensors: list[torch.Tensor], pooled: bool = False) -> torch.Tensor:
@@ -232,7 +212,7 @@ def _(received):
 @torch.library.custom_op("rtp::ring_release", mutates_args=())
 def ring_release() -> None:
     """Graph op, after a unit's last hop: the pooled weight buffers are let go."""
-    release_buffers()
+    pool.release()
 
 
 @ring_release.register_fake

@@ -105,8 +105,6 @@ class RingUnit(nn.Module):
     def backward(self, dy, x, own, saved, need_dx: bool, need_dw: bool):
         """dx and this rank's (averaged) shard gradients, by the backward schedule."""
         n, where = self.world_size, f"{self.unit_name} backward"
-        if n > 1:
-            ring.release_after_backward()
         dx = torch.zeros_like(x) if need_dx else None
         grads = GradientRing(self.layouts, self.group_name, self.tag + 2, where, own[0]) \
             if need_dw else None
@@ -125,7 +123,7 @@ class RingUnit(nn.Module):
                 ring.wait(incoming)
                 held = ring.unpack(incoming, ring.specs_of(own))
                 if j == n - 2:  # the last weight hop
-                    ring.release_buffers()
+                    ring.pool.release()
             elif action == "input_grad":
                 self.step_input_grad(s, dy, x, shards, slots, saved, dx, scratch)
             elif action == "receive_grad" and need_dw:
@@ -166,7 +164,7 @@ def ring_all_gather(own: list[torch.Tensor], layouts, rank: int, world_size: int
         received = ring.shift_start(held, group_name, 1, tag, f"{where}: gather hop {k}")
         ring.wait(received)
         held = shards[(rank - k) % world_size] = ring.unpack(received, ring.specs_of(own))
-    ring.release_buffers()
+    ring.pool.release()
     return [lay.unshard([shards[s][i] for s in range(world_size)])
             for i, lay in enumerate(layouts)]
 
@@ -198,8 +196,6 @@ class _GatherGrad(torch.autograd.Function):
         saved = _saved(ctx)
         inputs, own = saved[:n_inputs], saved[n_inputs:]
         needs = ctx.needs_input_grad[2:]
-        if unit.world_size > 1:
-            ring.release_after_backward()
         full = [p.requires_grad_(True) for p in unit.gather([p.detach() for p in own])]
         leaves = [v.detach().requires_grad_(need) if need else v
                   for v, need in zip(inputs, needs[:n_inputs])]
