@@ -66,7 +66,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rtp_compile.passes.plan import ParamLayout
+from rtp_compile.layout import ParamLayout
 
 
 def init_seed(seed: int, module_name: str) -> int:
@@ -280,11 +280,7 @@ class CheckpointSource:
     def read_shard(self, key: str, layout: ParamLayout, s: int) -> torch.Tensor:
         """Shard `s` of tensor `key`, zero-padded to `layout.shard_shape`, in its stored dtype."""
         part = self.read_real_part(key, layout, s)
-        if layout.dim is None:
-            part = part.reshape(-1)
-        out = torch.zeros(layout.shard_shape, dtype=part.dtype)
-        out.narrow(layout.dim or 0, 0, part.shape[layout.dim or 0]).copy_(part)
-        return out
+        return layout.padded(part.reshape(-1) if layout.dim is None else part)
 
     def close(self) -> None:
         pass

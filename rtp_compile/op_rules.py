@@ -11,8 +11,7 @@ outputs, or sum them), and gives two functions written in plain torch ops:
   the input gradient, added into `dx`, and this rank's gradient of the shard, added in place into
   the travelling accumulator (so no separate gradient buffer is allocated).
 
-`Slot(offset, valid)` locates a shard inside the full parameter along its shard dim: the shard
-tensor is always padded to the same length, and only its first `valid` entries are real.
+Shards arrive padded (`rtp_compile.layout`); the steps read only their real part.
 """
 from __future__ import annotations
 
@@ -23,13 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class Slot:
-    """Where shard s sits in the full parameter along the shard dim (`length`: padded size)."""
-    offset: int
-    valid: int
-    length: int
+from rtp_compile.layout import Slot, real_part
+from rtp_compile.runtime.graph_ops import affine
 
 
 @dataclass(frozen=True)
@@ -70,11 +64,6 @@ class Rule:
     def weight_grads(self, mode, options, dy, x, shards, slots, shapes, into) -> None:
         """Add this rank's gradient of each shard's real part into `into[role]` (in place)."""
         raise NotImplementedError
-
-
-def real_part(t: torch.Tensor, dim: int, slot: Slot) -> torch.Tensor:
-    """The real (unpadded) entries of a padded shard."""
-    return t if slot.valid == slot.length else t.narrow(dim, 0, slot.valid)
 
 
 def _flat2d(t: torch.Tensor) -> torch.Tensor:
@@ -245,19 +234,6 @@ class EmbeddingRule(Rule):
         into["weight"].add_(torch.ops.aten.embedding_dense_backward(
             dy.narrow(-1, ws.offset, ws.valid), x, shapes["weight"][0],
             -1 if padding_idx is None else padding_idx, options.get("scale_grad_by_freq", False)))
-
-
-def affine(x: torch.Tensor, weight, bias, dim: int) -> torch.Tensor:
-    """x * weight + bias, the parameters laid along `dim` of x.
-
-    A negative `dim` means the parameters broadcast against x from the right (LayerNorm, RMSNorm,
-    layer scale); a non-negative `dim` means 1-D per-channel parameters at that dim (BatchNorm,
-    GroupNorm). The norm passes split a norm's affine part into this op so it can be sharded.
-    """
-    if dim >= 0:
-        return affine(x.transpose(dim, -1), weight, bias, -1).transpose(dim, -1)
-    y = x if weight is None else x * weight
-    return y if bias is None else y + bias
 
 
 class ElementwiseRule(Rule):

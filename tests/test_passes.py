@@ -12,7 +12,7 @@ from rtp_compile.capture import capture, canonicalise_parameter_reads
 from rtp_compile.op_rules import RULES, OpCall
 from rtp_compile.passes.lower_modules import lower_modules
 from rtp_compile.passes.match import match_op, parameter_reads
-from rtp_compile.passes.plan import ParamLayout
+from rtp_compile.layout import ParamLayout
 from rtp_compile.passes.rotate import fused_unit, gathered_op, rotation_unit
 from rtp_compile.passes.split_norm_affine import split_norm_affine
 from zoo import build, tiny_gpt

@@ -172,7 +172,7 @@ def _aliases(module, params):
 
 # -- the three kinds of parallelism ----------------------------------------------------------
 def _bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def shard_expr(extent: int, rest: int, element: int, granule: int = 1) -> sympy.Expr:

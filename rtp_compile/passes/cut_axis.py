@@ -472,18 +472,3 @@ class CutWalk:
                        f"shard of it would not hold matching q, k and v heads")
 
 
-def head_slice(t, dim: int, start: int, length: int, full: int, rank):
-    """An operand of unknown shape (fx level) against a value cut on `dim`: broadcast when it
-    has no extent there, this shard's part when it has the full extent, else an error."""
-    if isinstance(t, fx.Proxy):  # traced into a rank's graph: one call, decided at run time
-        return t.tracer.create_proxy("call_function", head_slice,
-                                     (t, dim, start, length, full, rank), {})
-    if not isinstance(t, torch.Tensor) or t.dim() < -dim or t.shape[dim] == 1:
-        if isinstance(t, torch.Tensor) and rank is not None and t.dim() > rank:
-            raise RuntimeError(f"rtp_compile: an operand of a fused block has {t.dim()} dims, "
-                               f"more than the {rank} the block was planned for")
-        return t
-    if t.shape[dim] != full:
-        raise RuntimeError(f"rtp_compile: an operand of a fused block has extent {t.shape[dim]} "
-                           f"on the head axis (dim {dim}), neither 1 nor {full}")
-    return t.narrow(dim, start, length)

@@ -25,10 +25,10 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from rtp_compile.passes.cut_axis import (CutWalk, NotExact, Rewrite, head_slice, is_attention,
-                                          op_kind)
+from rtp_compile.passes.cut_axis import CutWalk, NotExact, Rewrite, is_attention, op_kind
 from rtp_compile.passes.match import parameter_reads
 from rtp_compile.passes.plan import Plan, Unit, unique_name
+from rtp_compile.runtime.graph_ops import head_slice
 
 
 @dataclasses.dataclass

@@ -18,19 +18,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-
-def batch_norm_module(x, running_mean, running_var, num_batches_tracked, weight, bias,
-                      training: bool, momentum, eps: float, track_running_stats: bool):
-    """nn.BatchNorm*'s forward as a function of its tensors and flags."""
-    factor = 0.0 if momentum is None else momentum
-    if training and track_running_stats and num_batches_tracked is not None:
-        num_batches_tracked.add_(1)
-        factor = 1.0 / float(num_batches_tracked) if momentum is None else momentum
-    use_batch_stats = training or (running_mean is None and running_var is None)
-    keep_stats = not training or track_running_stats
-    return F.batch_norm(x, running_mean if keep_stats else None,
-                        running_var if keep_stats else None, weight, bias,
-                        use_batch_stats, factor, eps)
+from rtp_compile.runtime.graph_ops import batch_norm_module
 
 
 def _conv_fn(m):
@@ -113,5 +101,3 @@ def lower_modules(gm: fx.GraphModule) -> fx.GraphModule:
     gm.recompile()
     return gm
 
-
-__all__ = ["lower_modules", "batch_norm_module"]

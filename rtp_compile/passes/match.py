@@ -13,7 +13,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from rtp_compile.op_rules import RULES, OpCall, affine
+from rtp_compile.op_rules import RULES, OpCall
+from rtp_compile.runtime.graph_ops import affine
 
 aten = torch.ops.aten
 

@@ -14,9 +14,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from rtp_compile.op_rules import affine
 from rtp_compile.passes.match import op_key, parameter_reads
-from rtp_compile.passes.lower_modules import batch_norm_module
+from rtp_compile.runtime.graph_ops import affine, batch_norm_module
 
 aten = torch.ops.aten
 

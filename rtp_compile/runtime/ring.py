@@ -67,7 +67,7 @@ def flat_layout(specs: list[tuple[tuple[int, ...], torch.dtype]]):
     for shape, dtype in specs:
         end = -(-end // 16) * 16
         offsets.append(end)
-        end += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        end += math.prod(shape) * dtype.itemsize
     return torch.uint8, end, offsets
 
 
@@ -80,7 +80,7 @@ def unpack(flat: torch.Tensor, specs) -> list[torch.Tensor]:
         if flat_dtype == dtype:
             views.append(flat.narrow(0, offset, math.prod(shape)).view(shape))
         else:
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * dtype.itemsize
             views.append(flat.narrow(0, offset, nbytes).view(dtype).view(shape))
     return views
 
@@ -131,7 +131,7 @@ def pack(tensors: list[torch.Tensor], pooled: bool = False) -> torch.Tensor:
     a buffer of the pool if `pooled`."""
     specs = specs_of(tensors)
     dtype, total, offsets = flat_layout(specs)
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     storage, start = tensors[0].untyped_storage(), tensors[0].data_ptr()
     in_place = (start - storage.data_ptr()) % item == 0 and \
         start - storage.data_ptr() + total * item <= storage.nbytes() and \

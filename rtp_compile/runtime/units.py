@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rtp_compile.op_rules import real_part
+from rtp_compile.layout import real_part
 from rtp_compile.runtime import ring
 from rtp_compile.passes.schedule import backward_schedule, backward_shard
 

@@ -1,0 +1,54 @@
+"""Functions the emitted graphs call, besides torch's own: the split-off affine of a norm, a
+BatchNorm module's forward as a function, and the per-shard cut of an operand of unknown shape.
+
+The passes write calls to them into the graph; they run inside every rank's module.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+
+def affine(x: torch.Tensor, weight, bias, dim: int) -> torch.Tensor:
+    """x * weight + bias, the parameters laid along `dim` of x.
+
+    A negative `dim` means the parameters broadcast against x from the right (LayerNorm, RMSNorm,
+    layer scale); a non-negative `dim` means 1-D per-channel parameters at that dim (BatchNorm,
+    GroupNorm). The norm passes split a norm's affine part into this op so it can be sharded.
+    """
+    if dim >= 0:
+        return affine(x.transpose(dim, -1), weight, bias, -1).transpose(dim, -1)
+    y = x if weight is None else x * weight
+    return y if bias is None else y + bias
+
+
+def batch_norm_module(x, running_mean, running_var, num_batches_tracked, weight, bias,
+                      training: bool, momentum, eps: float, track_running_stats: bool):
+    """nn.BatchNorm*'s forward as a function of its tensors and flags."""
+    factor = 0.0 if momentum is None else momentum
+    if training and track_running_stats and num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+        factor = 1.0 / float(num_batches_tracked) if momentum is None else momentum
+    use_batch_stats = training or (running_mean is None and running_var is None)
+    keep_stats = not training or track_running_stats
+    return F.batch_norm(x, running_mean if keep_stats else None,
+                        running_var if keep_stats else None, weight, bias,
+                        use_batch_stats, factor, eps)
+
+
+def head_slice(t, dim: int, start: int, length: int, full: int, rank):
+    """An operand of unknown shape (fx level) against a value cut on `dim`: broadcast when it
+    has no extent there, this shard's part when it has the full extent, else an error."""
+    if isinstance(t, fx.Proxy):  # traced into a rank's graph: one call, decided at run time
+        return t.tracer.create_proxy("call_function", head_slice,
+                                     (t, dim, start, length, full, rank), {})
+    if not isinstance(t, torch.Tensor) or t.dim() < -dim or t.shape[dim] == 1:
+        if isinstance(t, torch.Tensor) and rank is not None and t.dim() > rank:
+            raise RuntimeError(f"rtp_compile: an operand of a fused block has {t.dim()} dims, "
+                               f"more than the {rank} the block was planned for")
+        return t
+    if t.shape[dim] != full:
+        raise RuntimeError(f"rtp_compile: an operand of a fused block has extent {t.shape[dim]} "
+                           f"on the head axis (dim {dim}), neither 1 nor {full}")
+    return t.narrow(dim, start, length)
