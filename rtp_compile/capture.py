@@ -29,13 +29,7 @@ class Captured:
     params: dict[str, torch.Tensor]              # canonical name -> the model's parameter
     aliases: dict[str, list[str]] = field(default_factory=dict)  # canonical -> every name
     state_keys: list[str] = field(default_factory=list)          # the model's state_dict keys
-    reference: fx.GraphModule | None = None      # the graph before any pass (for the cost model)
-    profiles: dict = field(default_factory=dict, repr=False)     # cost model: per batch shape
     model: nn.Module | None = field(default=None, repr=False)    # what was captured (meta init)
-
-    @property
-    def param_aliases(self) -> set[str]:
-        return {alias for names in self.aliases.values() for alias in names}
 
 
 def parameter_names(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
@@ -64,7 +58,7 @@ def capture(model: nn.Module, example_inputs=None, example_kwargs=None) -> Captu
     else:
         gm, level = _export(model, example_inputs, example_kwargs, "the given example inputs"), \
             "aten"
-    canonicalise_parameter_reads(gm, aliases)
+    _canonicalise_parameter_reads(gm, aliases)
     return Captured(gm, level, params, aliases, list(model.state_dict().keys()), model=model)
 
 
@@ -155,7 +149,7 @@ def _export(model: nn.Module, args, kwargs, source: str) -> fx.GraphModule:
     )
 
 
-def canonicalise_parameter_reads(gm: fx.GraphModule, aliases: dict[str, list[str]]) -> None:
+def _canonicalise_parameter_reads(gm: fx.GraphModule, aliases: dict[str, list[str]]) -> None:
     """Point every get_attr of a tied alias at its canonical name."""
     canonical = {alias: canon for canon, names in aliases.items() for alias in names}
     for node in gm.graph.nodes:

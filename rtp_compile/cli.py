@@ -127,7 +127,7 @@ def _run_plan(args: argparse.Namespace) -> None:
             with torch.device("meta"):
                 model = load_model(target).to(dtype)
         prog = rtp_compile.transform(model, args.world_sizes[0])
-        n_params = sum(p.numel() for p in prog._captured.params.values())
+        n_params = sum(p.numel() for p in prog.ctx.params.values())
         print(f"{target}: {n_params / 1e9:.2f} B parameters ({args.dtype}), "
               f"{len(prog.plan.units)} units")
         print(rtp_compile.cost.table(prog, args.batch_size, args.seq_len, args.world_sizes,

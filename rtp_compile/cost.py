@@ -22,7 +22,7 @@ def rtp(prog, batch_size: int, seq_len: int | None = None, optimizer: str = "ada
 def ddp(prog, batch_size: int, seq_len: int | None = None, optimizer: str = "adamw",
         dtype=None, example_kwargs=None) -> Cost:
     """DistributedDataParallel on the same model, ranks and per-rank batch."""
-    params = prog._captured.params
+    params = prog.ctx.params
     return ddp_cost(params, prog.profile(batch_size, seq_len, example_kwargs), prog.world_size,
                     optimizer, dtype)
 
@@ -31,7 +31,7 @@ def fsdp(prog, batch_size: int, seq_len: int | None = None, optimizer: str = "ad
          dtype=None, example_kwargs=None) -> Cost:
     """FSDP2 on the same model, `fully_shard` applied to each block of every nn.ModuleList
     (each transformer layer) and then to the root."""
-    params = prog._captured.params
+    params = prog.ctx.params
     return fsdp_cost(params, prog.profile(batch_size, seq_len, example_kwargs), prog.world_size,
                      fsdp_blocks(list(params)), optimizer, dtype)
 

@@ -489,16 +489,16 @@ def _meta_leftovers(src: fx.GraphModule, bodies, params) -> list[str]:
     return found
 
 
-def rank_tensors(program, rank: int, device, seed: int, checkpoint) -> RankTensors:
+def rank_tensors(ctx, src: fx.GraphModule, rank: int, device, seed: int,
+                 checkpoint) -> RankTensors:
     """This rank's parameter shards, and the buffers / constants that need a value (meta ones,
-    or checkpointed ones), for `program.module(rank, device=device, seed=seed,
-    checkpoint=checkpoint)`."""
+    or checkpointed ones), for `prog.module(rank, device=device, seed=seed,
+    checkpoint=checkpoint)` of the program `src` compiled in `ctx`."""
     _check_seed(seed)
-    captured, plan = program._captured, program.plan
+    plan, model = ctx.plan, ctx.model
     target = torch.device(device) if device is not None else None
-    src, model = program.graph_module, captured.model
     attrs_in = _tensor_attrs(src, plan.params)
-    any_meta = any(p.is_meta for p in captured.params.values()) or \
+    any_meta = any(p.is_meta for p in ctx.params.values()) or \
         any(t.is_meta for t in attrs_in.values())
     materialising = any_meta and target is not None and target.type != "meta"
     if checkpoint is not None and any_meta and not materialising:
@@ -506,15 +506,15 @@ def rank_tensors(program, rank: int, device, seed: int, checkpoint) -> RankTenso
                          "device: prog.module(rank, device='cuda' or 'cpu', checkpoint=path)")
     source = open_checkpoint(checkpoint) if checkpoint is not None else None
     try:
-        persistent = set(captured.state_keys)
+        persistent = set(ctx.state_keys)
         loaded = {n: tuple(t.shape) for n, t in attrs_in.items() if n in persistent} \
             if source is not None else {}
         keys = checkpoint_keys(source, plan.params, loaded, f"prog.module({rank}, checkpoint=...)") \
             if source is not None else {}
         wanted: dict[str, str] = {}  # canonical name of a meta tensor to initialise -> its name
         if materialising:
-            _check_materialisable(program, attrs_in, keys)
-            wanted.update({n: n for n, p in captured.params.items()
+            _check_materialisable(ctx, src, attrs_in, keys)
+            wanted.update({n: n for n, p in ctx.params.items()
                            if n not in keys and p.is_meta})
             wanted.update({_canonical_buffer(model, n): n for n, t in attrs_in.items()
                            if n not in keys and t.is_meta})
@@ -542,9 +542,9 @@ def rank_tensors(program, rank: int, device, seed: int, checkpoint) -> RankTenso
                 continue
             if name in keys:
                 shard = source.read_shard(keys[name], layout, rank)
-                shards[name] = shard.to(target or captured.params[name].device, layout.dtype)
+                shards[name] = shard.to(target or ctx.params[name].device, layout.dtype)
             else:
-                shard = layout.shard(captured.params[name].detach(), rank)
+                shard = layout.shard(ctx.params[name].detach(), rank)
                 shards[name] = shard.to(target) if target is not None else shard
         for name in loaded:
             value = attrs_in[name]
@@ -555,16 +555,16 @@ def rank_tensors(program, rank: int, device, seed: int, checkpoint) -> RankTenso
             source.close()
 
 
-def _check_materialisable(program, attrs_in, keys) -> None:
+def _check_materialisable(ctx, src, attrs_in, keys) -> None:
     """Every meta tensor of the program can get a value: a parameter, a module's buffer, or in
     the checkpoint; constants and tensors inside called modules cannot."""
-    model = program._captured.model
+    model = ctx.model
     if model is None:
         raise ValueError("rtp_compile: this program does not know the model it was captured from, "
                          "so it cannot initialise its meta tensors; load a checkpoint instead")
     bad = [n for n, t in attrs_in.items() if t.is_meta and n not in keys and
            not _is_buffer_of(model, n)]
-    bad += _meta_leftovers(program.graph_module, program._bodies, program.plan.params)
+    bad += _meta_leftovers(src, ctx.bodies, ctx.plan.params)
     if bad:
         raise ValueError(
             f"rtp_compile: {', '.join(bad[:8])} {'is a meta tensor' if len(bad) == 1 else 'are meta tensors'} "

@@ -1,34 +1,48 @@
 """RTPProgram: the plan, the rank-generic program, and what each rank needs from them."""
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from rtp_compile.capture import Captured
 from rtp_compile.codegen import RankEmitter, job_of
 from rtp_compile.materialize import (checkpoint_keys, open_checkpoint, rank_tensors,
                                      retarget_meta)
-from rtp_compile.runtime.ring import resolve_group
+from rtp_compile.passes import compile_graph
+from rtp_compile.passes.context import Context
 from rtp_compile.passes.plan import Plan
+from rtp_compile.runtime.ring import resolve_group
 
 
 class RTPProgram:
-    """One model compiled for `world_size` ranks: `module(rank)` emits a rank's GraphModule."""
+    """One model compiled for `world_size` ranks: `module(rank)` emits a rank's GraphModule.
 
-    def __init__(self, captured: Captured, graph_module: fx.GraphModule, plan: Plan, bodies,
-                 options: dict):
-        self.plan = plan
-        self.world_size = plan.world_size
-        self.graph_module = graph_module      # rank-generic: units are markers
-        self.options = dict(options)          # transform's: grad_reduction, fuse, fuse_padding
-        self.grad_reduction = options["grad_reduction"]
-        self._captured = captured
-        self._bodies = bodies
-        self._buffer_names = [n for n in captured.state_keys if n not in captured.param_aliases]
+    `ctx` is the compilation (`passes.context.Context`: capture, options, plan, unit bodies and
+    schedules, pass log); `graph_module` the rank-generic program the passes made."""
+
+    def __init__(self, ctx: Context, graph_module: fx.GraphModule):
+        self.ctx = ctx
+        self.graph_module = graph_module      # rank-generic: units are markers and hops
+
+    @classmethod
+    def compile(cls, ctx: Context, gm: fx.GraphModule | None = None) -> "RTPProgram":
+        """Run the pass pipeline for `ctx` on `gm` (default: a fresh copy of the captured
+        graph), rewriting it, and make the program."""
+        return cls(ctx, compile_graph(gm if gm is not None else ctx.fresh_graph(), ctx))
+
+    @property
+    def plan(self) -> Plan:
+        return self.ctx.plan
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def pass_log(self):
+        """What each pass changed (`passes.pipeline.PassRecord`); `debug=True` keeps code diffs."""
+        return self.ctx.pass_log
 
     @property
     def graph(self) -> fx.Graph:
@@ -57,12 +71,9 @@ class RTPProgram:
             raise ValueError(f"rtp_compile: rank must be an int in [0, {self.world_size}), "
                              f"got {rank!r}")
         group_name = "" if group is None or group == dist.group.WORLD else group.group_name
-        scale = 1.0 / self.world_size if self.grad_reduction == "mean" else 1.0
-        tensors = rank_tensors(self, rank, device, seed, checkpoint)
-        emitter = RankEmitter(self.graph_module, self.plan, self._bodies, self._captured.params,
-                              rank, group_name, scale, device, broadcast_buffers,
-                              shards=tensors.shards, attrs=tensors.attrs)
-        gm = emitter.emit()
+        tensors = rank_tensors(self.ctx, self.graph_module, rank, device, seed, checkpoint)
+        gm = RankEmitter(self.ctx, self.graph_module, rank, group_name, device, broadcast_buffers,
+                         shards=tensors.shards, attrs=tensors.attrs).emit()
         if tensors.device is not None:  # a meta model's graph, now on a real device
             retarget_meta(gm, tensors.device)
         return gm
@@ -107,19 +118,13 @@ class RTPProgram:
     def for_world_size(self, world_size: int) -> "RTPProgram":
         """The same model compiled for another number of ranks, without capturing it again
         (the plan can differ: padding decides which attention blocks fuse)."""
-        import dataclasses
-
-        from rtp_compile import compile_program
         if world_size == self.world_size:
             return self
-        ref = self._captured.reference
-        captured = dataclasses.replace(self._captured,
-                                       gm=fx.GraphModule(ref, copy.deepcopy(ref.graph)))
-        return compile_program(captured, world_size, **self.options)
+        return RTPProgram.compile(self.ctx.for_world_size(world_size))
 
     def cost(self, batch_size: int, seq_len: int | None = None, optimizer: str = "adamw",
              dtype: torch.dtype | None = None, example_kwargs: dict | None = None):
-        """Predicted per-rank bytes of one training step on a per-rank batch (`passes.cost`):
+        """Predicted per-rank bytes of one training step on a per-rank batch (`rtp_compile.cost`):
         a `Cost` with param/grad/optimizer/transient/activation/peak/traffic bytes and their
         sympy expressions in N and A. `dtype`: the parameters' dtype if not theirs."""
         from rtp_compile.passes import cost
@@ -130,15 +135,7 @@ class RTPProgram:
                 example_kwargs: dict | None = None):
         """What the unsharded model saves for backward on such a batch, on fake tensors."""
         from rtp_compile.passes import cost
-        specs = cost.input_specs(self._captured.reference, batch_size, seq_len) \
-            if example_kwargs is None else \
-            {k: (tuple(v.shape), v.dtype) for k, v in example_kwargs.items()}
-        key = tuple(sorted((k, shape, str(dtype)) for k, (shape, dtype) in specs.items()))
-        profiles = self._captured.profiles  # shared by the programs of one capture
-        if key not in profiles:
-            profiles[key] = cost.profile_forward(self._captured.reference, self._captured.params,
-                                                 specs)
-        return profiles[key]
+        return cost.profile_of(self.ctx, batch_size, seq_len, example_kwargs)
 
     # -- full state ----------------------------------------------------------------------
     def full_state_dict(self, gm: nn.Module) -> dict[str, torch.Tensor]:
@@ -151,9 +148,9 @@ class RTPProgram:
             tensor = layout.unshard(gathered)
             for alias in layout.aliases:
                 full[alias] = tensor
-        for name in self._buffer_names:
+        for name in self.ctx.buffer_names:
             full[name] = gm.get_buffer(name).detach().clone()
-        return {k: full[k] for k in self._captured.state_keys if k in full}
+        return {k: full[k] for k in self.ctx.state_keys if k in full}
 
     def _all_gather(self, shard: torch.Tensor, group_name: str) -> list[torch.Tensor]:
         if self.world_size == 1:
@@ -171,14 +168,14 @@ class RTPProgram:
         rank = job_of(gm).rank
         source = open_checkpoint(state_dict)
         try:
-            buffers = {n: tuple(gm.get_buffer(n).shape) for n in self._buffer_names}
+            buffers = {n: tuple(gm.get_buffer(n).shape) for n in self.ctx.buffer_names}
             keys = checkpoint_keys(source, self.plan.params, buffers, "load_full_state_dict")
             with torch.no_grad():
                 for name, layout in self.plan.params.items():
                     param = gm.get_parameter(name)
                     param.copy_(source.read_shard(keys[name], layout, rank)
                                 .to(param.device, param.dtype))
-                for name in self._buffer_names:
+                for name in self.ctx.buffer_names:
                     gm.get_buffer(name).copy_(source.read(keys[name]))
         finally:
             source.close()

@@ -325,3 +325,18 @@ def buffers_like_ddp(rank: int, world_size: int, seed: int, broadcast: bool) -> 
     x = batch("conv", seed, rank, 9)
     return {"buffers": max(buffers.values()), "names": sorted(buffers),
             "eval_output": rel_err(gm(x), ddp(x))}
+
+
+def parity_without(rank: int, world_size: int, cases: list, seed: int, steps: int = 2) -> dict:
+    """train_next_to_ddp's errors for programs compiled with one pass disabled: `cases` are
+    (model name, capture, disabled pass)."""
+    results = {}
+    for name, capture, disabled in cases:
+        model = build(name, seed)
+        example = (batch(name, seed, rank, 0),) if capture == "export" else None
+        prog = rtp_compile.transform(model, world_size, example_inputs=example,
+                                     disable=[disabled])
+        batches = [batch(name, seed, rank, step) for step in range(steps)]
+        results[(name, capture, disabled)] = train_next_to_ddp(
+            prog, prog.module(rank), model, batches, seed, lambda m, x: m(x), lambda o: o)
+    return results

@@ -8,12 +8,12 @@ import torch.fx as fx
 from torch import nn
 
 import rtp_compile
-from rtp_compile.capture import capture, canonicalise_parameter_reads
+from rtp_compile.capture import capture
 from rtp_compile.op_rules import RULES, OpCall
 from rtp_compile.passes.lower_modules import lower_modules
 from rtp_compile.passes.match import match_op, parameter_reads
 from rtp_compile.layout import ParamLayout
-from rtp_compile.passes.rotate import fused_unit, gathered_op, rotation_unit
+from rtp_compile.passes.context import Context, Options
 from rtp_compile.passes.split_norm_affine import split_norm_affine
 from zoo import build, tiny_gpt
 
@@ -125,9 +125,10 @@ def test_lower_modules_and_split_norms_keep_the_computation():
             return self.drop(self.ln(self.gn(self.bn(self.conv(x)))))
 
     model = Norms()
-    gm = capture(model).gm
-    lower_modules(gm)
-    split_norm_affine(gm)
+    captured = capture(model)
+    gm, ctx = captured.gm, Context.of(captured, 1, Options())
+    lower_modules(gm, ctx)
+    split_norm_affine(gm, ctx)
     assert not any(n.op == "call_module" for n in gm.graph.nodes)
     x = torch.randn(2, 3, 5, 5)
     model.eval(), gm.eval()  # eval: dropout off, running statistics used
@@ -145,11 +146,9 @@ def test_adapters_agree_across_capture_levels():
     x = torch.randn(2, 7)
     for level, example in (("function", None), ("aten", (x,))):
         captured = capture(model, example)
-        gm = captured.gm
-        if level == "function":
-            lower_modules(gm)
-            canonicalise_parameter_reads(gm, captured.aliases)
-        split_norm_affine(gm)
+        gm, ctx = captured.gm, Context.of(captured, 1, Options())
+        lower_modules(gm, ctx)  # function level only
+        split_norm_affine(gm, ctx)
         reads = parameter_reads(gm)
         calls = [match_op(n, gm, reads) for n in gm.graph.nodes]
         seen = sorted((c.rule.name, tuple(sorted(c.params.values()))) for c in calls if c)
@@ -163,9 +162,10 @@ def test_after_rotate_only_units_read_parameters():
     for name in ("gpt", "norule", "shared", "conv", "mlp"):
         prog = rtp_compile.transform(build(name, 0), 2)
         params = set(prog.plan.params)
+        units = {u.name for u in prog.plan.units}
         for node in prog.graph.nodes:
             if node.op == "get_attr" and node.target in params:
-                assert all(u.target in (rotation_unit, fused_unit, gathered_op)
+                assert all(u.meta.get("rtp", {}).get("unit") in units
                            for u in node.users), node
 
 

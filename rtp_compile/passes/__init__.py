@@ -1,1 +1,32 @@
-"""Graph -> graph passes of rtp_compile, each one job (imported as rtp_compile.passes)."""
+"""Graph -> graph passes of rtp_compile: `PIPELINE`, the passes in the order they run.
+
+Each pass is `(gm, ctx) -> gm` with one job and the invariant its docstring states, checked
+after it runs (`passes.pipeline`); `transform(..., disable=[names])` skips optional ones and
+`transform(..., debug=True)` logs and keeps each one's graph diff (`prog.pass_log`).
+"""
+from rtp_compile.passes.fold_parameter_metadata import fold_parameter_metadata
+from rtp_compile.passes.fuse import fuse_blocks
+from rtp_compile.passes.lower_modules import lower_modules
+from rtp_compile.passes.pipeline import run_pipeline
+from rtp_compile.passes.plan import plan_sharding
+from rtp_compile.passes.rotate import rotate
+from rtp_compile.passes.schedule import schedule
+from rtp_compile.passes.split_norm_affine import split_norm_affine
+
+PIPELINE = [
+    lower_modules,            # fx module calls -> torch functions (function level)
+    fold_parameter_metadata,  # w.shape, w.size() -> constants (function level)
+    split_norm_affine,        # norm(x, w, b) -> norm(x) * w + b: the affine rotates
+    plan_sharding,            # ctx.plan: a layout per parameter, a unit per weight-bearing op
+    fuse_blocks,              # ctx.plan: MLP / attention blocks as one unit where exact
+    rotate,                   # weight-bearing ops -> unit markers, bodies into ctx.bodies
+    schedule,                 # markers -> steps and ring hops; backward events into ctx
+]
+
+
+def compile_graph(gm, ctx):
+    """Run the whole pipeline on `gm` for `ctx` (the rank-generic program comes out)."""
+    return run_pipeline(PIPELINE, gm, ctx)
+
+
+__all__ = ["PIPELINE", "compile_graph"]

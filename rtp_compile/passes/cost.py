@@ -17,6 +17,7 @@ within 10% of MemTracker's).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import sympy
@@ -338,6 +339,22 @@ def fsdp_blocks(names: list[str]) -> list[list[str]]:
         blocks.setdefault(key, []).append(name)
     root = blocks.pop("")
     return list(blocks.values()) + [root]
+
+
+_profiles: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # reference -> {batch: Profile}
+
+
+def profile_of(ctx, batch_size: int, seq_len: int | None = None,
+               example_kwargs: dict | None = None) -> Profile:
+    """The profile of the captured model (`ctx.reference`) on such a batch, made once per batch
+    shape for all world sizes' programs of one capture."""
+    specs = input_specs(ctx.reference, batch_size, seq_len) if example_kwargs is None else \
+        {k: (tuple(v.shape), v.dtype) for k, v in example_kwargs.items()}
+    key = tuple(sorted((k, shape, str(dtype)) for k, (shape, dtype) in specs.items()))
+    profiles = _profiles.setdefault(ctx.reference, {})
+    if key not in profiles:
+        profiles[key] = profile_forward(ctx.reference, ctx.params, specs)
+    return profiles[key]
 
 
 # -- the batch a cost is for ------------------------------------------------------------------

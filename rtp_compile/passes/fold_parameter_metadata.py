@@ -4,7 +4,8 @@ They describe the full parameter and need none of its values; left in the graph 
 "uses" of the parameter, and gathering a whole weight to read its shape would be absurd.
 
 Invariant: every folded node had a parameter read as its only tensor input and computes
-metadata that is fixed for the parameter's lifetime (shape, dtype, device, ndim).
+metadata that is fixed for the parameter's lifetime (shape, dtype, device, ndim); no such read
+is left. Function level only: export has folded them already.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import operator
 
 import torch
 import torch.fx as fx
+
+from rtp_compile.passes.pipeline import InvariantError, graph_pass
 
 _ATTRIBUTES = {"shape", "dtype", "device", "ndim", "is_cuda", "layout"}
 _METHODS = {"size", "dim", "ndimension", "numel"}
@@ -32,8 +35,20 @@ def _metadata(node: fx.Node, params: dict[str, torch.Tensor]):
     return False, None
 
 
-def fold_parameter_metadata(gm: fx.GraphModule) -> fx.GraphModule:
+def _check(gm: fx.GraphModule, ctx) -> None:
+    if ctx.level != "function":
+        return
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    left = [n.name for n in gm.graph.nodes if _metadata(n, params)[0]]
+    if left:
+        raise InvariantError(f"fold_parameter_metadata left metadata reads of parameters: {left}")
+
+
+@graph_pass(check=_check)
+def fold_parameter_metadata(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Replace metadata reads of parameters (and indexing into them) by their values."""
+    if ctx.level != "function":
+        return gm
     params = dict(gm.named_parameters(remove_duplicate=False))
     folded: dict[fx.Node, object] = {}
     for node in list(gm.graph.nodes):

@@ -27,7 +27,8 @@ import torch.fx as fx
 
 from rtp_compile.passes.cut_axis import CutWalk, NotExact, Rewrite, is_attention, op_kind
 from rtp_compile.passes.match import parameter_reads
-from rtp_compile.passes.plan import Plan, Unit, unique_name
+from rtp_compile.passes.pipeline import graph_pass
+from rtp_compile.passes.plan import Plan, Unit, check_plan, unique_name
 from rtp_compile.runtime.graph_ops import head_slice
 
 
@@ -141,12 +142,15 @@ class BlockFinder:
         return walk
 
 
-def fuse_blocks(gm: fx.GraphModule, plan: Plan, max_padding: float = 0.02) -> Plan:
-    """Merge every exact column-split -> region -> linear block into one fused unit; record
-    why each attention block that is not fused is not. Attention is cut in whole head groups:
-    a block whose groups N does not divide is fused only if that padding adds at most
-    `max_padding` to its weights per rank (memory at 1/N comes first)."""
-    finder = BlockFinder(gm, plan, max_padding)
+@graph_pass(check=check_plan)
+def fuse_blocks(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Merge, in `ctx.plan`, every exact column-split -> region -> linear block into one fused
+    unit; record why each attention block that is not fused is not (the graph is unchanged).
+    Attention is cut in whole head groups: a block whose groups N does not divide is fused only
+    if that padding adds at most `ctx.options.fuse_padding` to its weights per rank (memory at
+    1/N comes first)."""
+    plan = ctx.plan
+    finder = BlockFinder(gm, plan, ctx.options.fuse_padding)
     for tail in [u for u in plan.units if u.kind == "rotate" and u.call.rule.name == "linear"]:
         if tail not in plan.units:
             continue
@@ -169,7 +173,7 @@ def fuse_blocks(gm: fx.GraphModule, plan: Plan, max_padding: float = 0.02) -> Pl
                                     [e.name for e in externals], walk.rewrites, attention,
                                     walk.tail_width))
     plan.units.sort(key=lambda u: finder.order[finder.nodes[u.node]])
-    return plan
+    return gm
 
 
 def _record_fusion(plan: Plan, fusion: Fusion) -> None:

@@ -6,8 +6,10 @@ into that function with `get_attr` reads of the module's parameters and buffers.
 dependent modules read
 `self.training` at run time, so `.eval()` on an emitted module switches them like on the original.
 
-Invariant: the graph computes what the module calls computed; leaf modules not in the table
-(e.g. nn.MultiheadAttention) stay `call_module` and are handled by the gather fallback.
+Invariant: the graph computes what the module calls computed; no call of a module in the
+table is left (others, e.g. nn.MultiheadAttention, stay `call_module` and are gathered); every
+parameter is read by its canonical name (a tied module's alias too). Function level only: an
+exported graph has no module calls.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from rtp_compile.passes.match import canonical_reads
+from rtp_compile.passes.pipeline import InvariantError, graph_pass
 from rtp_compile.runtime.graph_ops import batch_norm_module
 
 
@@ -72,12 +76,30 @@ def _lower(m: nn.Module, x, read, training, emit):
     return None
 
 
-def lower_modules(gm: fx.GraphModule) -> fx.GraphModule:
+def _lowerable(node: fx.Node, gm: fx.GraphModule) -> bool:
+    if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+        return False
+    nothing = lambda *args, **kwargs: None  # noqa: E731  (a dry run emits no node)
+    return _lower(gm.get_submodule(node.target), None, nothing, None, nothing) is not None
+
+
+def _check(gm: fx.GraphModule, ctx) -> None:
+    left = [n.target for n in gm.graph.nodes if _lowerable(n, gm)]
+    if left:
+        raise InvariantError(f"lower_modules left module calls it lowers: {left}")
+    canonical_reads(gm, ctx)
+
+
+@graph_pass(check=_check)
+def lower_modules(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Rewrite known torch.nn leaf calls into torch functions over get_attr'd tensors."""
+    if ctx.level != "function":
+        return gm
+    canonical = ctx.canonical
     graph = gm.graph
     training = None
     for node in list(graph.nodes):
-        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+        if not _lowerable(node, gm):
             continue
         module = gm.get_submodule(node.target)
         with graph.inserting_before(node):
@@ -88,12 +110,11 @@ def lower_modules(gm: fx.GraphModule) -> fx.GraphModule:
 
             def read(name, prefix=node.target, module=module):
                 value = getattr(module, name, None)
-                return graph.get_attr(f"{prefix}.{name}") if value is not None else None
+                target = f"{prefix}.{name}"
+                return graph.get_attr(canonical.get(target, target)) if value is not None else None
 
-            lowered = _lower(module, node.args[0], read, training, graph.call_function)
-            if lowered is None:
-                continue
-            new = graph.call_function(*lowered)
+            new = graph.call_function(*_lower(module, node.args[0], read, training,
+                                              graph.call_function))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)

@@ -14,6 +14,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from rtp_compile.op_rules import RULES, OpCall
+from rtp_compile.passes.pipeline import InvariantError
 from rtp_compile.runtime.graph_ops import affine
 
 aten = torch.ops.aten
@@ -27,6 +28,16 @@ def parameter_reads(gm: fx.GraphModule) -> dict[fx.Node, str]:
     """get_attr nodes that read a parameter -> the parameter's name."""
     params = dict(gm.named_parameters(remove_duplicate=False))
     return {n: n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target in params}
+
+
+def canonical_reads(gm: fx.GraphModule, ctx) -> None:
+    """Invariant of capture and of the passes that add parameter reads: every read of a
+    parameter uses its canonical name (one node target per parameter, tied ones included)."""
+    canonical = ctx.canonical
+    aliased = sorted({n.target for n in parameter_reads(gm) if canonical.get(n.target, n.target)
+                      != n.target})
+    if aliased:
+        raise InvariantError(f"parameters read by an alias, not their canonical name: {aliased}")
 
 
 def _transposed_param(value, reads):

@@ -17,6 +17,7 @@ import torch.fx as fx
 from rtp_compile.layout import ParamLayout
 from rtp_compile.op_rules import OpCall
 from rtp_compile.passes.match import match_op, parameter_reads, why_not_sharded
+from rtp_compile.passes.pipeline import InvariantError, graph_pass
 
 
 @dataclass
@@ -109,15 +110,45 @@ def consumer_closure(node: fx.Node, param_only: nx.DiGraph) -> list[fx.Node]:
     return [n for n in node.graph.nodes if n in seen]
 
 
-def plan_sharding(gm: fx.GraphModule, world_size: int, params: dict[str, torch.Tensor],
-                  aliases: dict[str, list[str]]) -> Plan:
+def check_plan(gm: fx.GraphModule, ctx) -> None:
+    """Every parameter has one layout for this world size; units have unique names, name nodes
+    of the graph and parameters of the plan; no parameter is in two fused blocks."""
+    plan = ctx.plan
+    if plan is None or set(plan.params) != set(ctx.params):
+        raise InvariantError("the plan does not lay out exactly the model's parameters")
+    if any(lay.world_size != ctx.world_size for lay in plan.params.values()):
+        raise InvariantError(f"a layout is not cut for {ctx.world_size} ranks")
+    names = [u.name for u in plan.units]
+    if len(set(names)) != len(names):
+        raise InvariantError(f"unit names repeat: {names}")
+    nodes = {n.name for n in gm.graph.nodes}
+    for u in plan.units:
+        if u.node not in nodes or not set(u.params.values()) <= set(plan.params):
+            raise InvariantError(f"unit {u.name} names a node or parameter that does not exist")
+    fused = [p for u in plan.units if u.kind == "fused" for p in u.params.values()]
+    if len(set(fused)) != len(fused):
+        raise InvariantError("a parameter belongs to two fused blocks")
+
+
+@graph_pass(check=check_plan, required=True)
+def plan_sharding(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Write into `ctx.plan` a layout for every parameter and a unit for every weight-bearing
+    node (the graph is unchanged)."""
+    ctx.plan = make_plan(gm, ctx.world_size, ctx.params, ctx.aliases)
+    return gm
+
+
+def make_plan(gm: fx.GraphModule, world_size: int, params: dict[str, torch.Tensor],
+              aliases: dict[str, list[str]]) -> Plan:
     """Choose a layout for every parameter and a unit for every weight-bearing node.
 
     `params`: the model's parameters by canonical name; `aliases`: every name of each.
     """
     reads = parameter_reads(gm)
     param_only = parameter_only_nodes(gm, reads)
-    module_params = _leaf_module_params(gm)
+    canonical = {alias: canon for canon, names in aliases.items() for alias in names}
+    module_params = {target: [canonical.get(n, n) for n in names]  # a tied module: its alias
+                     for target, names in _leaf_module_params(gm).items()}
     shapes = {name: tuple(p.shape) for name, p in params.items()}
     order = list(shapes)
 

@@ -8,8 +8,10 @@ it, such as `w.t()`) moves into a small body GraphModule run on the gathered ten
 is the program every rank shares: step k of a unit holds shard (rank - k) mod N, and codegen
 unrolls the steps for one rank.
 
-Invariant: after this pass no node other than a unit reads a parameter, so no emitted op can
-see a shard where it expects the full tensor.
+Invariant: after this pass no node other than a unit marker reads a parameter, so no emitted
+op can see a shard where it expects the full tensor; every rotated or fused unit of the plan
+has its marker, every fused or gathered one its body in `ctx.bodies`. Every marker is labelled
+`node.meta["rtp"] = {"unit", "step": None, "action"}`.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import torch
 import torch.fx as fx
 
 from rtp_compile.passes.fuse import region_body
-from rtp_compile.passes.plan import Plan, consumer_closure, parameter_only_nodes
+from rtp_compile.passes.pipeline import InvariantError, graph_pass
+from rtp_compile.passes.plan import consumer_closure, parameter_only_nodes
 from rtp_compile.passes.match import parameter_reads
 
 
@@ -74,8 +77,31 @@ def gather_body(gm: fx.GraphModule, node: fx.Node, closure: list[fx.Node]) -> tu
     return fx.GraphModule(root, graph, class_name=f"Gathered_{node.name}"), inputs
 
 
-def rotate(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, dict[str, fx.GraphModule]]:
-    """Replace every planned node by its unit marker; returns the graph and the gather bodies."""
+MARKERS = {rotation_unit: "rotate", fused_unit: "fused", gathered_op: "gather"}
+
+
+def parameters_read_only_by_units(gm: fx.GraphModule) -> None:
+    """Every user of a parameter read is a node of a unit (it carries a unit label)."""
+    for read in parameter_reads(gm):
+        others = [u.name for u in read.users if not u.meta.get("rtp", {}).get("unit")]
+        if others:
+            raise InvariantError(f"parameter {read.target} is read outside a unit by {others}")
+
+
+def _check(gm: fx.GraphModule, ctx) -> None:
+    parameters_read_only_by_units(gm)
+    markers = {n.args[0]: n.target for n in gm.graph.nodes if n.target in MARKERS}
+    for u in ctx.plan.units:
+        if MARKERS.get(markers.get(u.name)) != u.kind:
+            raise InvariantError(f"unit {u.name} ({u.kind}) has no marker of its kind")
+        if u.kind != "rotate" and u.name not in ctx.bodies:
+            raise InvariantError(f"unit {u.name} ({u.kind}) has no body")
+
+
+@graph_pass(check=_check, required=True)
+def rotate(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Replace every planned node by its unit marker; the bodies go to `ctx.bodies`."""
+    plan = ctx.plan
     reads = parameter_reads(gm)
     param_only = parameter_only_nodes(gm, reads)
     by_node = plan.unit_for_node()
@@ -101,6 +127,7 @@ def rotate(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, dict[str, fx
                 bodies[unit.name] = body
                 marker = graph.call_function(gathered_op, (unit.name, *inputs, *param_reads))
         marker.meta.update(node.meta)
+        marker.meta["rtp"] = {"unit": unit.name, "step": None, "action": unit.kind}
         marker.meta["is_wrapped"] = True  # fx records it as a call when re-tracing (pickling)
         node.replace_all_uses_with(marker)
         by_name[node.name] = marker
@@ -111,4 +138,5 @@ def rotate(gm: fx.GraphModule, plan: Plan) -> tuple[fx.GraphModule, dict[str, fx
     # only the parameter reads and parameter-only ops the units took over may go
     graph.eliminate_dead_code(is_impure_node=lambda n: n not in param_only)
     gm.recompile()
-    return gm, bodies
+    ctx.bodies.update(bodies)
+    return gm

@@ -4,7 +4,8 @@ The statistics of a norm need the whole normalised extent, but its weight and bi
 elementwise; split off, they can be rotated in shards like any elementwise parameter.
 
 Invariant: the graph computes the same values (up to floating-point rounding of one fused
-multiply-add); norms whose weight and bias are not parameters are left as they were.
+multiply-add); no norm reads a parameter any more; norms whose weight and bias are not
+parameters are left as they were.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from rtp_compile.passes.match import op_key, parameter_reads
+from rtp_compile.passes.pipeline import InvariantError, graph_pass
 from rtp_compile.runtime.graph_ops import affine, batch_norm_module
 
 aten = torch.ops.aten
@@ -35,18 +37,32 @@ NORMS = {
 TUPLE_NORMS = {aten.native_layer_norm.default}
 
 
-def split_norm_affine(gm: fx.GraphModule) -> fx.GraphModule:
+def _norm_arguments(node: fx.Node, gm: fx.GraphModule) -> dict | None:
+    """A norm node's arguments by name; None for other nodes (or norms fx cannot normalise)."""
+    if node.op != "call_function" or op_key(node.target) not in NORMS:
+        return None
+    bound = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+    return None if bound is None else dict(bound.kwargs)
+
+
+def _check(gm: fx.GraphModule, ctx) -> None:
+    reads = parameter_reads(gm)
+    left = [n.name for n in gm.graph.nodes if (kwargs := _norm_arguments(n, gm)) is not None
+            and any(v in reads for v in kwargs.values() if isinstance(v, fx.Node))]
+    if left:
+        raise InvariantError(f"split_norm_affine left norms reading parameters: {left}")
+
+
+@graph_pass(check=_check)
+def split_norm_affine(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Move the weight and bias of every norm with parameters into an `affine` node after it."""
     reads = parameter_reads(gm)
     for node in list(gm.graph.nodes):
+        kwargs = _norm_arguments(node, gm)
+        if kwargs is None:
+            continue
         target = op_key(node.target)
-        if node.op != "call_function" or target not in NORMS:
-            continue
         weight_arg, bias_arg, dim = NORMS[target]
-        bound = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
-        if bound is None:
-            continue
-        kwargs = dict(bound.kwargs)
         weight = kwargs.get(weight_arg)
         bias = kwargs.get(bias_arg) if bias_arg else None
         if not any(v in reads for v in (weight, bias) if isinstance(v, fx.Node)):

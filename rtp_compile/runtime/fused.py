@@ -30,9 +30,10 @@ def sub_roles(values: dict, prefix: str) -> dict:
 
 
 class FusedUnit(RingUnit):
-    def __init__(self, name, fusion, roles, layouts, body, rank, world_size, group_name, tag,
-                 grad_scale):
-        super().__init__(name, roles, layouts, rank, world_size, group_name, tag, grad_scale)
+    def __init__(self, name, fusion, roles, layouts, body, rank, world_size, group_name,
+                 schedule, grad_scale):
+        super().__init__(name, roles, layouts, rank, world_size, group_name, schedule,
+                         grad_scale)
         self.head_options = [h.call.options for h in fusion.heads]
         self.tail_options = fusion.tail.call.options
         self.hidden, self.body, self.attention = fusion.hidden, body, fusion.attention

@@ -83,7 +83,7 @@ def launch(
         RankError: a rank raised or died; the other ranks are terminated.
         TimeoutError: the ranks had not all finished within ``timeout + 60`` s.
     """
-    _check_world_size(world_size)
+    check_world_size(world_size, "rtp_compile.launch")
     import cloudpickle  # lazy: only launching needs it
 
     payload = cloudpickle.dumps((fn, tuple(args)))
@@ -111,10 +111,11 @@ def launch(
         reports.close()
 
 
-def _check_world_size(world_size: Any) -> None:
-    """Reject anything but an int >= 1, bools included, with a clear message."""
+def check_world_size(world_size: Any, where: str) -> int:
+    """`world_size` if it is an int >= 1 (bools refused), else ValueError naming `where`."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        raise ValueError(f"{where}: world_size must be an int >= 1, got {world_size!r}")
+    return world_size
 
 
 def _default_backend(world_size: int) -> str:

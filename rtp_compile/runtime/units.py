@@ -16,7 +16,7 @@ from torch import nn
 
 from rtp_compile.layout import real_part
 from rtp_compile.runtime import ring
-from rtp_compile.passes.schedule import backward_schedule, backward_shard
+from rtp_compile.runtime.events import UnitSchedule, backward_shard
 
 
 class GradientRing:
@@ -24,8 +24,8 @@ class GradientRing:
     (rank+1+j) mod N, in place, to the accumulator that arrived from rank+1, and passes it on to
     rank-1; after the last step each rank holds the complete gradient of its own shard."""
 
-    def __init__(self, layouts, group_name: str, tag: int, where: str, like: torch.Tensor):
-        self.layouts, self.group_name, self.tag, self.where = layouts, group_name, tag, where
+    def __init__(self, layouts, group_name: str, where: str, like: torch.Tensor):
+        self.layouts, self.group_name, self.where = layouts, group_name, where
         self.like = like
         self.acc: list[torch.Tensor] | None = None
         self.incoming: list[torch.Tensor] | None = None
@@ -43,8 +43,8 @@ class GradientRing:
         return [real_part(a, lay.dim or 0, lay.slot(shard))
                 for a, lay in zip(self.acc, self.layouts)]
 
-    def pass_on(self, step: int) -> None:
-        self.incoming = ring.shift_start(self.acc, self.group_name, -1, self.tag,
+    def pass_on(self, step: int, tag: int) -> None:
+        self.incoming = ring.shift_start(self.acc, self.group_name, -1, tag,
                                          f"{self.where}: gradient hop {step}", pooled=False)
         self.acc = None
 
@@ -76,14 +76,16 @@ class _UnitGrad(torch.autograd.Function):
 
 
 class RingUnit(nn.Module):
-    """Runtime of one unit on one rank: its backward schedule (weights re-fetched from rank+1,
-    gradient accumulators passed to rank-1); subclasses say what one step computes."""
+    """Runtime of one unit on one rank: executes the backward events its schedule hands it
+    (weights re-fetched from rank+1, gradient accumulators passed to rank-1); subclasses say
+    what one step computes."""
 
-    def __init__(self, name, roles, layouts, rank, world_size, group_name, tag, grad_scale):
+    def __init__(self, name, roles, layouts, rank, world_size, group_name,
+                 schedule: UnitSchedule, grad_scale):
         super().__init__()
         self.unit_name, self.roles, self.layouts = name, list(roles), layouts
         self.rank, self.world_size, self.group_name = rank, world_size, group_name
-        self.tag, self.grad_scale = tag, grad_scale
+        self.schedule, self.grad_scale = schedule, grad_scale
         self.shapes = {r: lay.shape for r, lay in zip(self.roles, layouts)}
 
     def forward(self, y, x, *tensors):
@@ -103,13 +105,12 @@ class RingUnit(nn.Module):
         raise NotImplementedError
 
     def backward(self, dy, x, own, saved, need_dx: bool, need_dw: bool):
-        """dx and this rank's (averaged) shard gradients, by the backward schedule."""
+        """dx and this rank's (averaged) shard gradients, by the unit's backward events."""
         n, where = self.world_size, f"{self.unit_name} backward"
         dx = torch.zeros_like(x) if need_dx else None
-        grads = GradientRing(self.layouts, self.group_name, self.tag + 2, where, own[0]) \
-            if need_dw else None
+        grads = GradientRing(self.layouts, self.group_name, where, own[0]) if need_dw else None
         held, incoming, scratch = own, None, {}
-        for event in backward_schedule(n):
+        for event in self.schedule.backward:
             j, action = event.step, event.action
             if action == "input_grad":
                 scratch = {}
@@ -117,13 +118,13 @@ class RingUnit(nn.Module):
             slots = {r: lay.slot(s) for r, lay in zip(self.roles, self.layouts)}
             shards = dict(zip(self.roles, own if j == n - 1 else held))  # last step: own shard
             if action == "fetch_start":
-                incoming = ring.shift_start(held, self.group_name, -1, self.tag + 1,
+                incoming = ring.shift_start(held, self.group_name, -1, event.tag,
                                             f"{where}: weight hop {j}")
             elif action == "fetch_wait":
                 ring.wait(incoming)
                 held = ring.unpack(incoming, ring.specs_of(own))
-                if j == n - 2:  # the last weight hop
-                    ring.pool.release()
+            elif action == "release":
+                ring.pool.release()
             elif action == "input_grad":
                 self.step_input_grad(s, dy, x, shards, slots, saved, dx, scratch)
             elif action == "receive_grad" and need_dw:
@@ -132,15 +133,17 @@ class RingUnit(nn.Module):
                 self.step_weight_grads(s, dy, x, shards, slots, saved,
                                        dict(zip(self.roles, grads.real_parts(s))), scratch)
             elif action == "pass" and need_dw:
-                grads.pass_on(j)
+                grads.pass_on(j, event.tag)
         return dx, grads.result(self.grad_scale) if need_dw else None
 
 
 class RotationUnit(RingUnit):
     """One rotated op: its rule's step backward, nothing saved but the activation."""
 
-    def __init__(self, name, call, mode, layouts, rank, world_size, group_name, tag, grad_scale):
-        super().__init__(name, call.params, layouts, rank, world_size, group_name, tag, grad_scale)
+    def __init__(self, name, call, mode, layouts, rank, world_size, group_name, schedule,
+                 grad_scale):
+        super().__init__(name, call.params, layouts, rank, world_size, group_name, schedule,
+                         grad_scale)
         self.rule, self.mode, self.options = call.rule, mode, call.options
 
     def extra_repr(self) -> str:
@@ -218,19 +221,20 @@ class GatherUnit(nn.Module):
     """Runtime of one gathered op: `body` is a small GraphModule (the op and the parameter-only
     ops feeding it) whose parameters are placeholders filled with the gathered tensors."""
 
-    def __init__(self, name, body, param_names, layouts, rank, world_size, group_name, tag,
-                 grad_scale, reason):
+    def __init__(self, name, body, param_names, layouts, rank, world_size, group_name,
+                 schedule: UnitSchedule, grad_scale, reason):
         super().__init__()
         self.unit_name, self.body, self.param_names = name, body, list(param_names)
         self.layouts, self.rank, self.world_size = layouts, rank, world_size
-        self.group_name, self.tag, self.grad_scale, self.reason = group_name, tag, grad_scale, reason
+        self.group_name, self.schedule = group_name, schedule
+        self.grad_scale, self.reason = grad_scale, reason
 
     def extra_repr(self) -> str:
         return f"gathered: {self.reason}; rank {self.rank} of {self.world_size}"
 
     def gather(self, own):
         return ring_all_gather(list(own), self.layouts, self.rank, self.world_size,
-                               self.group_name, self.tag, self.unit_name)
+                               self.group_name, self.schedule.forward_tag, self.unit_name)
 
     def run(self, inputs, full):
         return torch.func.functional_call(self.body, dict(zip(self.param_names, full)),
@@ -238,15 +242,15 @@ class GatherUnit(nn.Module):
 
     def reduce_scatter(self, full_grads):
         n = self.world_size
-        grads = GradientRing(self.layouts, self.group_name, self.tag + 2,
-                             f"{self.unit_name} backward", full_grads[0])
+        grads = GradientRing(self.layouts, self.group_name, f"{self.unit_name} backward",
+                             full_grads[0])
         for j in range(n):
             s = backward_shard(self.rank, j, n)
             grads.receive()
             for part, g, lay in zip(grads.real_parts(s), full_grads, self.layouts):
                 part.add_(lay.real_part_of(g, s))
             if j < n - 1:
-                grads.pass_on(j)
+                grads.pass_on(j, self.schedule.grad_tag)
         return grads.result(self.grad_scale)
 
     def forward(self, *tensors):

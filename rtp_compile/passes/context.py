@@ -1,0 +1,106 @@
+"""What one compilation knows, handed to every pass: `Context`, with the user's `Options`.
+
+A pass reads what earlier passes left here (the plan, the unit bodies, the schedules) and adds
+its own; nothing else travels between passes, and the program keeps the context it was made
+with, so every later step (codegen, cost, state dicts) reads the same record.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from rtp_compile.runtime.launch import check_world_size
+
+if TYPE_CHECKING:
+    from rtp_compile.passes.pipeline import PassRecord
+    from rtp_compile.passes.plan import Plan
+    from rtp_compile.runtime.events import UnitSchedule
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to compile, as `rtp_compile.transform` takes it.
+
+    `grad_reduction`: "mean" (like DDP) or "sum" over the ranks' batches. `fuse_padding`: the
+    share whole-head-group cutting may add to a fused attention block's weights per rank.
+    `disable`: names of passes to skip (`rtp_compile.passes.PIPELINE`). `debug`: log every
+    pass's graph diff at INFO through `logging.getLogger("rtp_compile")` and keep the code
+    before and after each pass in `prog.pass_log`."""
+    grad_reduction: str = "mean"
+    fuse_padding: float = 0.02
+    disable: tuple[str, ...] = ()
+    debug: bool = False
+
+    def __post_init__(self):
+        if self.grad_reduction not in ("mean", "sum"):
+            raise ValueError(f"rtp_compile.transform: grad_reduction must be 'mean' or 'sum', "
+                             f"got {self.grad_reduction!r}")
+        if isinstance(self.fuse_padding, bool) or \
+                not isinstance(self.fuse_padding, (int, float)) or self.fuse_padding < 0:
+            raise ValueError(f"rtp_compile.transform: fuse_padding must be a share >= 0 (0.02 = "
+                             f"2%), got {self.fuse_padding!r}")
+        object.__setattr__(self, "disable", tuple(self.disable))
+
+
+@dataclass
+class Context:
+    """One model compiled for `world_size` ranks: what capture found and what the passes made.
+
+    Capture: `level` ("function": torch.fx, "aten": torch.export), `params` (canonical name ->
+    the model's parameter), `aliases` (canonical name -> every name of it, tied weights),
+    `state_keys` (the model's state_dict keys), `model` (what was captured, for meta init) and
+    `reference` (the captured graph, never rewritten: the cost model profiles it and every
+    world size's program starts from it). Passes: `plan` (plan_sharding, fuse_blocks),
+    `bodies` (rotate: the graph a fused or gathered unit runs), `schedules` (schedule: each
+    unit's message tags and backward events), `pass_log` (the runner: what each pass changed).
+    Later passes add their fields here (device mesh, dtypes, buckets)."""
+    world_size: int
+    options: Options
+    level: str
+    params: dict[str, torch.Tensor]
+    aliases: dict[str, list[str]]
+    state_keys: list[str]
+    reference: fx.GraphModule
+    model: nn.Module | None = field(default=None, repr=False)
+    plan: Plan | None = None
+    bodies: dict[str, fx.GraphModule] = field(default_factory=dict, repr=False)
+    schedules: dict[str, UnitSchedule] = field(default_factory=dict, repr=False)
+    pass_log: list[PassRecord] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def of(cls, captured, world_size: int, options: Options) -> "Context":
+        """The context of a fresh capture (`rtp_compile.capture.Captured`)."""
+        reference = fx.GraphModule(captured.gm, copy.deepcopy(captured.gm.graph))
+        return cls(check_world_size(world_size, "rtp_compile.transform"), options,
+                   captured.level, captured.params, captured.aliases, captured.state_keys,
+                   reference, captured.model)
+
+    def for_world_size(self, world_size: int) -> "Context":
+        """The same capture and options, for another number of ranks, before any pass."""
+        return replace(self, world_size=check_world_size(world_size, "for_world_size"),
+                       plan=None, bodies={}, schedules={}, pass_log=[])
+
+    def fresh_graph(self) -> fx.GraphModule:
+        """A copy of the captured graph for the passes to rewrite (parameters shared)."""
+        return fx.GraphModule(self.reference, copy.deepcopy(self.reference.graph))
+
+    @property
+    def canonical(self) -> dict[str, str]:
+        """Every name of a parameter -> its canonical (first) name."""
+        return {alias: canon for canon, names in self.aliases.items() for alias in names}
+
+    @property
+    def buffer_names(self) -> list[str]:
+        """The state_dict keys that are not parameters (buffers), in state_dict order."""
+        aliases = self.canonical
+        return [n for n in self.state_keys if n not in aliases]
+
+    @property
+    def grad_scale(self) -> float:
+        """Each rank's gradient contribution is multiplied by this: 1/N for "mean"."""
+        return 1.0 / self.world_size if self.options.grad_reduction == "mean" else 1.0

@@ -1,0 +1,119 @@
+"""The runner of the pass pipeline: each pass `(gm, ctx) -> gm` in order, its invariant checked
+after it, what it changed recorded.
+
+A pass is a plain function marked with `graph_pass(check=...)`: `check(gm, ctx)` raises
+`InvariantError` when the graph or context it left breaks the invariant its docstring states
+(cheap, always run). `required=True` marks a pass the program cannot do without (it cannot be
+disabled). Every pass leaves a `PassRecord` in `ctx.pass_log`: op counts before and after, the
+nodes it added and removed; with `Options.debug` it is also logged at INFO through
+`logging.getLogger("rtp_compile")` and keeps the graph's code before and after (`.diff()`).
+"""
+from __future__ import annotations
+
+import collections
+import difflib
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger("rtp_compile")
+
+
+class InvariantError(AssertionError):
+    """A pass left a graph or context that breaks its stated invariant (a compiler bug)."""
+
+
+def graph_pass(*, check, required: bool = False):
+    """Mark `fn(gm, ctx) -> gm` as a pass with its invariant `check(gm, ctx)`."""
+    def mark(fn):
+        fn.check, fn.required = check, required
+        return fn
+    return mark
+
+
+def op_name(node: fx.Node) -> str:
+    """What a node does, for op counts: its op and target."""
+    if node.op in ("call_function", "call_method", "call_module"):
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            target = str(target)  # e.g. aten.linear.default, rtp.ring_shift_start.default
+        elif not isinstance(target, str):
+            target = getattr(target, "__name__", None) or str(target)
+        if node.op == "call_module":
+            target = target.rsplit(".", 1)[0] if target.startswith("rtp_units.") else target
+        return f"{node.op}:{target}"
+    return node.op
+
+
+@dataclass
+class PassRecord:
+    """What one pass changed: op counts before/after, nodes added/removed (by name)."""
+    name: str
+    before: collections.Counter
+    after: collections.Counter
+    added: list[str]
+    removed: list[str]
+    skipped: bool = False
+    code_before: str | None = field(default=None, repr=False)
+    code_after: str | None = field(default=None, repr=False)
+
+    def changed_ops(self) -> dict[str, tuple[int, int]]:
+        """op -> (count before, count after), for the ops whose count changed."""
+        ops = sorted(set(self.before) | set(self.after))
+        return {op: (self.before[op], self.after[op]) for op in ops
+                if self.before[op] != self.after[op]}
+
+    def diff(self) -> str:
+        """Unified diff of the graph's code (kept with `debug=True`)."""
+        if self.code_before is None:
+            return "(compile with debug=True to keep each pass's code)"
+        return "".join(difflib.unified_diff(self.code_before.splitlines(True),
+                                            self.code_after.splitlines(True),
+                                            f"before {self.name}", f"after {self.name}"))
+
+    def __str__(self) -> str:
+        if self.skipped:
+            return f"{self.name}: disabled"
+        ops = ", ".join(f"{op} {a}->{b}" for op, a, b in
+                        ((op, *c) for op, c in self.changed_ops().items())) or "no op changed"
+        return (f"{self.name}: {sum(self.before.values())} -> {sum(self.after.values())} nodes "
+                f"(+{len(self.added)} -{len(self.removed)}); {ops}")
+
+
+def _census(gm: fx.GraphModule) -> tuple[collections.Counter, set[str]]:
+    nodes = list(gm.graph.nodes)
+    return collections.Counter(op_name(n) for n in nodes), {n.name for n in nodes}
+
+
+def run_pipeline(passes, gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Apply `passes` in order (skipping those in `ctx.options.disable`), check each one's
+    invariant after it and record what it changed in `ctx.pass_log`."""
+    names = [p.__name__ for p in passes]
+    disable = set(ctx.options.disable)
+    unknown = sorted(disable - set(names))
+    if unknown:
+        raise ValueError(f"rtp_compile.transform: disable names no pass: {unknown}; the "
+                         f"passes are {names}")
+    needed = [p.__name__ for p in passes if p.required and p.__name__ in disable]
+    if needed:
+        raise ValueError(f"rtp_compile.transform: pass(es) {needed} cannot be disabled: the "
+                         f"rank programs are made from what they produce; optional passes: "
+                         f"{[p.__name__ for p in passes if not p.required]}")
+    debug = ctx.options.debug
+    for p in passes:
+        before, before_names = _census(gm)
+        if p.__name__ in disable:
+            record = PassRecord(p.__name__, before, before, [], [], skipped=True)
+        else:
+            code = gm.code if debug else None
+            gm = p(gm, ctx)
+            p.check(gm, ctx)
+            after, after_names = _census(gm)
+            record = PassRecord(p.__name__, before, after, sorted(after_names - before_names),
+                                sorted(before_names - after_names), code_before=code,
+                                code_after=gm.code if debug else None)
+        ctx.pass_log.append(record)
+        log.log(logging.INFO if debug else logging.DEBUG, "%s", record)
+    return gm
