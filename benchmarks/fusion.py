@@ -24,6 +24,7 @@ from torch import nn
 import rtp_compile
 from rtp_compile.models import GPTConfig, TinyGPT, lm_loss
 from rtp_compile.runtime import ring
+from rtp_compile.tables import format_table
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 BATCH = 8
@@ -116,15 +117,14 @@ def main(argv=None):
                 r = rtp_compile.launch(here.measure, world_size,
                                        args=(model, fuse, args.steps), timeout=600)[0]
                 rows.append({"N": world_size, "model": model, "fuse": fuse, **r})
-    header = ("N", "model", "fused", "attention", "units", "ring hops", "ring MB", "cat MB",
-              "step ms")
-    print("  ".join(f"{h:>12}" for h in header))
+    table = [("N", "model", "fused", "attention", "units", "ring hops", "ring MB", "cat MB",
+              "step ms")]
     for r in rows:
-        print("  ".join(f"{v:>12}" for v in (
-            r["N"], r["model"], r["fused_blocks"] if r["fuse"] else "-",
-            r["fused_attention"] if r["fuse"] else "-", r["units"], r["hops"],
-            f"{r['ring_bytes'] / 1e6:.2f}", f"{r['cat_bytes'] / 1e6:.2f}",
-            f"{r['step_s'] * 1e3:.1f}")))
+        table.append((r["N"], r["model"], r["fused_blocks"] if r["fuse"] else "-",
+                      r["fused_attention"] if r["fuse"] else "-", r["units"], r["hops"],
+                      f"{r['ring_bytes'] / 1e6:.2f}", f"{r['cat_bytes'] / 1e6:.2f}",
+                      f"{r['step_s'] * 1e3:.1f}"))
+    print(format_table(table))
     for n in (2, 4):
         for model in MODELS:
             off, on = [r for r in rows if r["N"] == n and r["model"] == model]

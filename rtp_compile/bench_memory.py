@@ -17,9 +17,11 @@ import pathlib
 
 import torch
 
-import rtp_compile
-import rtp_compile.cost
+import rtp_compile.cost as cost
+from rtp_compile.compiler import transform
 from rtp_compile.models import GPTConfig, TinyGPT, lm_loss
+from rtp_compile.runtime.launch import launch
+from rtp_compile.tables import format_table
 
 CONFIG = GPTConfig(vocab_size=1024, block_size=32, n_layer=4, n_head=4, n_embd=256)
 BATCH = 2
@@ -41,7 +43,7 @@ def _wrap(kind: str, rank: int, world_size: int):
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         return fully_shard(model, mesh=mesh)
-    return rtp_compile.transform(model, world_size).module(rank)
+    return transform(model, world_size).module(rank)
 
 
 def measure(rank: int, world_size: int) -> dict:
@@ -78,9 +80,8 @@ def measure(rank: int, world_size: int) -> dict:
 
 def predict(world_size: int) -> dict:
     """The cost model's numbers for the same model, batch and world size."""
-    prog = rtp_compile.transform(TinyGPT(CONFIG), world_size)
-    costs = {"ddp": rtp_compile.cost.ddp, "fsdp2": rtp_compile.cost.fsdp,
-             "rtp": rtp_compile.cost.rtp}
+    prog = transform(TinyGPT(CONFIG), world_size)
+    costs = {"ddp": cost.ddp, "fsdp2": cost.fsdp, "rtp": cost.rtp}
     out = {kind: f(prog, BATCH, CONFIG.block_size) for kind, f in costs.items()}
     out["activations"] = prog.profile(BATCH, CONFIG.block_size).activation_bytes
     return out
@@ -96,7 +97,7 @@ def main(argv=None) -> list[dict]:
           "MemTracker; 'predicted' from rtp_compile.cost")
     rows, targets = [], []
     for world_size in WORLD_SIZES:
-        measured = rtp_compile.launch(measure, world_size, timeout=600)
+        measured = launch(measure, world_size, timeout=600)
         predicted = predict(world_size)
         for kind in KINDS:
             rows.append({"N": world_size, "kind": kind, **measured[0][kind],
@@ -110,14 +111,13 @@ def main(argv=None) -> list[dict]:
             "peak / (state/N + activations)": max(r["Total"] for r in rtp) / bound,
             "memory-scaling efficiency": min(single_state / world_size / r["state"] for r in rtp),
         })
-    header = ("N", "kind", *CATEGORIES, "peak", "predicted", "peak/FSDP2")
-    print("  ".join(f"{h:>10}" for h in header))
+    table = [("N", "kind", *CATEGORIES, "peak", "predicted", "peak/FSDP2")]
     for row in rows:
         fsdp = next(r for r in rows if r["N"] == row["N"] and r["kind"] == "fsdp2")["Total"]
-        print("  ".join(f"{v:>10}" for v in (
-            row["N"], row["kind"], *[f"{row.get(c, 0) / 1e6:.2f}" for c in CATEGORIES],
-            f"{row['Total'] / 1e6:.2f}", f"{row['predicted'] / 1e6:.2f}",
-            f"{row['Total'] / fsdp:.2f}")))
+        table.append((row["N"], row["kind"], *[f"{row.get(c, 0) / 1e6:.2f}" for c in CATEGORIES],
+                      f"{row['Total'] / 1e6:.2f}", f"{row['predicted'] / 1e6:.2f}",
+                      f"{row['Total'] / fsdp:.2f}"))
+    print(format_table(table))
     print("\nRTP's targets (worst rank): params <= 1.02, peak <= 1.05, efficiency >= 0.97")
     for t in targets:
         print("  " + ", ".join(f"{k} {v:.3f}" if k != "N" else f"N={v}" for k, v in t.items()))

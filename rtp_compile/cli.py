@@ -90,12 +90,12 @@ def _run_demo(args: argparse.Namespace) -> None:
 
 def _run_inspect(args: argparse.Namespace) -> None:
     """`inspect`: compile the model a factory returns and print plan, report and rank code."""
-    import rtp_compile
+    from rtp_compile.compiler import transform
 
     if not 0 <= args.rank < args.world_size:
         raise UsageError(f"--rank must be in [0, {args.world_size}), got {args.rank}")
     model = load_model(args.target)
-    prog = rtp_compile.transform(model, args.world_size)
+    prog = transform(model, args.world_size)
     print(prog.plan)
     print()
     print(prog.report())
@@ -112,8 +112,8 @@ def _run_plan(args: argparse.Namespace) -> None:
 
     import torch
 
-    import rtp_compile
-    import rtp_compile.cost
+    from rtp_compile.compiler import transform
+    from rtp_compile.cost import table
     from rtp_compile.presets import LLAMA, meta_model
 
     dtype = getattr(torch, args.dtype, None)
@@ -126,12 +126,11 @@ def _run_plan(args: argparse.Namespace) -> None:
         else:
             with torch.device("meta"):
                 model = load_model(target).to(dtype)
-        prog = rtp_compile.transform(model, args.world_sizes[0])
+        prog = transform(model, args.world_sizes[0])
         n_params = sum(p.numel() for p in prog.ctx.params.values())
         print(f"{target}: {n_params / 1e9:.2f} B parameters ({args.dtype}), "
               f"{len(prog.plan.units)} units")
-        print(rtp_compile.cost.table(prog, args.batch_size, args.seq_len, args.world_sizes,
-                                     args.optimizer))
+        print(table(prog, args.batch_size, args.seq_len, args.world_sizes, args.optimizer))
         for n in args.world_sizes:
             held = prog.for_world_size(n).cost(args.batch_size, args.seq_len,
                                                args.optimizer).param_bytes

@@ -18,8 +18,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import rtp_compile
+from rtp_compile.compiler import transform
 from rtp_compile.models import GPTConfig, TinyGPT, lm_loss
+from rtp_compile.runtime.launch import launch
+from rtp_compile.tables import format_table
 
 BATCH_SIZE = 16  # sequences per rank per step
 LR = 3e-3
@@ -83,7 +85,7 @@ def _rank_job(rank: int, world_size: int, model: nn.Module, steps: int, seed: in
     ddp = DistributedDataParallel(copy.deepcopy(model))
     # An RTPProgram does not survive pickling (fx re-traces its rank-generic graph), so every
     # rank compiles the same model itself.
-    prog = rtp_compile.transform(model, world_size)
+    prog = transform(model, world_size)
     gm = prog.module(rank)
     rtp_opt = torch.optim.AdamW(gm.parameters(), lr=LR)
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
@@ -117,8 +119,8 @@ def run_demo(world_size: int = 2, steps: int = 60, seed: int = 0, log_every: int
         raise ValueError(f"run_demo: steps and log_every must be >= 1, got {steps}, {log_every}")
     torch.manual_seed(seed)
     model = TinyGPT()
-    ranks = rtp_compile.launch(_rank_job, world_size, args=(model, steps, seed, track_memory),
-                               timeout=timeout)
+    ranks = launch(_rank_job, world_size, args=(model, steps, seed, track_memory),
+                   timeout=timeout)
     result = _summarise(model, world_size, steps, seed, log_every, ranks)
     print(format_result(result))
     return result
@@ -152,10 +154,10 @@ def format_result(result: dict) -> str:
     """The demo's printout: header, loss table, memory table, timing line."""
     cfg, n, steps = result["config"], result["world_size"], result["steps"]
     rtp_loss, ddp_loss = result["rtp_loss"], result["ddp_loss"]
-    losses = _table(["step", "rtp loss", "ddp loss", "|diff|"],
-                    [[s, f"{rtp_loss[s - 1]:.6f}", f"{ddp_loss[s - 1]:.6f}",
-                      f"{abs(rtp_loss[s - 1] - ddp_loss[s - 1]):.2e}"]
-                     for s in result["logged_steps"]])
+    losses = format_table([["step", "rtp loss", "ddp loss", "|diff|"],
+                           *[[s, f"{rtp_loss[s - 1]:.6f}", f"{ddp_loss[s - 1]:.6f}",
+                              f"{abs(rtp_loss[s - 1] - ddp_loss[s - 1]):.2e}"]
+                             for s in result["logged_steps"]]])
     lines = [
         f"TinyGPT: {result['n_params']:,} parameters ({cfg.n_layer} layers, d_model {cfg.n_embd}, "
         f"{cfg.n_head} heads, vocab {cfg.vocab_size}, context {cfg.block_size}), float32",
@@ -193,18 +195,9 @@ def _memory_table(result: dict) -> str:
             rtp_peak, ddp_peak = result["rtp_peak_bytes"][rank], result["ddp_peak_bytes"][rank]
             row += [f"{rtp_peak:,}", f"{ddp_peak:,}", f"{rtp_peak / ddp_peak:.3f}"]
         rows.append(row)
-    return _table(headers, rows)
+    return format_table([headers, *rows])
 
 
 def _has_peaks(result: dict) -> bool:
     """Whether the peak memory of a step was measured on every rank."""
     return None not in result["rtp_peak_bytes"] + result["ddp_peak_bytes"]
-
-
-def _table(headers: list[str], rows: list[list]) -> str:
-    """Right-aligned plain-text table with a rule under the header."""
-    cells = [list(map(str, headers))] + [list(map(str, row)) for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)

@@ -7,11 +7,14 @@ import torch.fx as fx
 from torch import nn
 
 from rtp_compile.codegen import RankEmitter, job_of
-from rtp_compile.materialize import (checkpoint_keys, open_checkpoint, rank_tensors,
-                                     retarget_meta)
+from rtp_compile.cost.model import rtp_cost
+from rtp_compile.cost.profile import profile_of
+from rtp_compile.full_checkpoint import checkpoint_keys, open_checkpoint
 from rtp_compile.passes import compile_graph
 from rtp_compile.passes.context import Context
 from rtp_compile.passes.plan import Plan
+from rtp_compile.passes.retarget_meta import retarget_meta
+from rtp_compile.rank_tensors import rank_tensors
 from rtp_compile.runtime.ring import resolve_group
 
 
@@ -127,15 +130,13 @@ class RTPProgram:
         """Predicted per-rank bytes of one training step on a per-rank batch (`rtp_compile.cost`):
         a `Cost` with param/grad/optimizer/transient/activation/peak/traffic bytes and their
         sympy expressions in N and A. `dtype`: the parameters' dtype if not theirs."""
-        from rtp_compile.passes import cost
-        return cost.rtp_cost(self.plan, self.profile(batch_size, seq_len, example_kwargs),
-                             optimizer, dtype)
+        return rtp_cost(self.plan, self.profile(batch_size, seq_len, example_kwargs),
+                        optimizer, dtype)
 
     def profile(self, batch_size: int, seq_len: int | None = None,
                 example_kwargs: dict | None = None):
         """What the unsharded model saves for backward on such a batch, on fake tensors."""
-        from rtp_compile.passes import cost
-        return cost.profile_of(self.ctx, batch_size, seq_len, example_kwargs)
+        return profile_of(self.ctx, batch_size, seq_len, example_kwargs)
 
     # -- full state ----------------------------------------------------------------------
     def full_state_dict(self, gm: nn.Module) -> dict[str, torch.Tensor]:

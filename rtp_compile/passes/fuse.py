@@ -29,6 +29,7 @@ from rtp_compile.passes.cut_axis import CutWalk, NotExact, Rewrite, is_attention
 from rtp_compile.passes.match import parameter_reads
 from rtp_compile.passes.pipeline import graph_pass
 from rtp_compile.passes.plan import Plan, Unit, check_plan, unique_name
+from rtp_compile.passes.subgraph import extract_graph
 from rtp_compile.runtime.graph_ops import head_slice
 
 
@@ -229,18 +230,15 @@ def region_body(gm: fx.GraphModule, fusion: Fusion) -> fx.GraphModule:
     *externals) in, the tail's input out. Run for any shard: its sizes on the cut axis are
     `groups` x a group's width, its per-head operands narrowed to the shard's groups."""
     nodes = {n.name: n for n in gm.graph.nodes}
-    graph, env = fx.Graph(), {}
+    graph = fx.Graph()
     first, groups = graph.placeholder("first_group"), graph.placeholder("groups")
-    for i, head in enumerate(fusion.heads):
-        env[nodes[head.node]] = graph.placeholder(f"head{i}")
-    for name in fusion.externals:
-        env[nodes[name]] = graph.placeholder(name)
-    for name in fusion.region:
-        node = nodes[name]
-        args = list(fx.node.map_arg(node.args, lambda a: env[a]))
-        kwargs = dict(fx.node.map_arg(node.kwargs, lambda a: env[a]))
-        _rewritten(graph, args, kwargs, fusion.rewrites.get(name, []), first, groups,
+
+    def per_shard(node, args, kwargs):
+        _rewritten(graph, args, kwargs, fusion.rewrites.get(node.name, []), first, groups,
                    fusion.groups)
-        env[node] = graph.create_node(node.op, node.target, tuple(args), kwargs, name=node.name)
-    graph.output(env[nodes[fusion.tail.call.input]])
+
+    inputs = [(nodes[h.node], f"head{i}") for i, h in enumerate(fusion.heads)] + \
+        [(nodes[name], name) for name in fusion.externals]
+    extract_graph(inputs, [nodes[name] for name in fusion.region],
+                  nodes[fusion.tail.call.input], graph, per_shard)
     return fx.GraphModule(torch.nn.Module(), graph, class_name="FusedRegion")

@@ -18,6 +18,7 @@ from rtp_compile.layout import ParamLayout
 from rtp_compile.op_rules import OpCall
 from rtp_compile.passes.match import match_op, parameter_reads, why_not_sharded
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
+from rtp_compile.tables import format_table
 
 
 @dataclass
@@ -62,9 +63,7 @@ class Plan:
             rows.append((name, "x".join(map(str, lay.shape)) or "scalar", self.strategy(name),
                          "flat" if lay.dim is None else str(lay.dim), units,
                          "x".join(map(str, lay.shard_shape)), f"{lay.shard_bytes:,}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines = [format_table(rows, align="left")]
         total = sum(lay.shard_bytes for lay in self.params.values())
         lines.append(f"world size {self.world_size}: {len(self.params)} parameters, "
                      f"{sum(u.kind == 'rotate' for u in self.units)} rotated ops, "

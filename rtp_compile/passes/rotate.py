@@ -24,6 +24,7 @@ import torch.fx as fx
 from rtp_compile.passes.fuse import region_body
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
 from rtp_compile.passes.plan import consumer_closure, parameter_only_nodes
+from rtp_compile.passes.subgraph import extract_graph
 from rtp_compile.passes.match import parameter_reads
 
 
@@ -64,12 +65,7 @@ def gather_body(gm: fx.GraphModule, node: fx.Node, closure: list[fx.Node]) -> tu
     """
     inside = set(closure)
     inputs = [i for i in node.all_input_nodes if i not in inside]
-    graph, env = fx.Graph(), {}
-    for i in inputs:
-        env[i] = graph.placeholder(i.name)
-    for n in closure + [node]:
-        env[n] = graph.node_copy(n, lambda a: env[a])
-    graph.output(env[node])
+    graph = extract_graph([(i, i.name) for i in inputs], closure + [node], node)
     root = {}
     for n in graph.nodes:
         if n.op in ("get_attr", "call_module"):

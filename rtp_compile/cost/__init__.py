@@ -1,5 +1,6 @@
 """Predicted per-rank memory and traffic of one training step, before anything runs: RTP,
-DDP and FSDP2 on the same model and batch (the model itself is `passes.cost`).
+DDP and FSDP2 on the same model and batch (the model itself is `cost.model`, the forward it
+measures `cost.profile`).
 
     prog = rtp_compile.transform(model, world_size=8)
     print(prog.cost(batch_size=1, seq_len=4096))                 # RTP
@@ -8,7 +9,8 @@ DDP and FSDP2 on the same model and batch (the model itself is `passes.cost`).
 """
 from __future__ import annotations
 
-from rtp_compile.passes.cost import Cost, ddp_cost, fsdp_blocks, fsdp_cost
+from rtp_compile.cost.model import Cost, ddp_cost, fsdp_blocks, fsdp_cost
+from rtp_compile.tables import format_table
 
 __all__ = ["Cost", "rtp", "ddp", "fsdp", "table"]
 
@@ -55,8 +57,5 @@ def table(prog, batch_size: int, seq_len: int | None = None, world_sizes=None,
                 "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
                 "transient_bytes", "peak_bytes")], f"{c.peak_bytes / at[1].peak_bytes:.2f}",
                 f"{c.traffic_bytes / scale:.2f}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join([f"{unit} per rank and training step, per-rank batch {batch_size}"
-                      f"{f'x{seq_len}' if seq_len else ''}, {optimizer}", lines[0],
-                      "  ".join("-" * w for w in widths)] + lines[1:])
+    return f"{unit} per rank and training step, per-rank batch {batch_size}" \
+        f"{f'x{seq_len}' if seq_len else ''}, {optimizer}\n{format_table(rows)}"

@@ -1,0 +1,183 @@
+"""What the unsharded model does on one batch, measured, not guessed: the model runs once on
+fake tensors (no memory, no compute) with the batch's shapes, and every tensor autograd saves
+is counted once, in the order it is saved, next to the moments each parameter is last used
+(`cost.model` walks that order for the peak).
+"""
+from __future__ import annotations
+
+import copy
+import operator
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rtp_compile.passes.retarget_meta import retarget_meta
+
+
+# -- what the unsharded model does on one batch, on fake tensors --------------------------
+@dataclass
+class Profile:
+    """The order in which a forward saves activations and uses parameters."""
+    saved: list[int]                   # bytes first saved, in order
+    uses: dict[str, list[int]]         # parameter -> the points (len(saved) then) it is read at
+    output_bytes: int
+
+    @property
+    def last_use(self) -> dict[str, int]:
+        """Where backward produces each parameter's gradient (its last use in forward)."""
+        return {name: points[-1] for name, points in self.uses.items()}
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(self.saved)
+
+
+class _ParamUse(TorchDispatchMode):
+    """Records, in op order, which parameters each op reads (by storage)."""
+
+    def __init__(self, storages: dict[int, str], events: list):
+        super().__init__()
+        self.storages, self.events = storages, events
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                name = self.storages.get(t.untyped_storage()._cdata)
+                if name is not None:
+                    self.events.append(("use", name))
+        return func(*args, **(kwargs or {}))
+
+
+def profile_forward(module: torch.nn.Module, params: dict[str, torch.Tensor], inputs: dict,
+                    loss_keeps_output: bool = True) -> Profile:
+    """Run `module(**inputs)` on fake tensors (the inputs are (shape, dtype) specs) with
+    `params` (canonical name -> tensor, meta or real; never read) and record what it saves.
+
+    `loss_keeps_output`: count one more tensor the size of the output, as a cross-entropy loss
+    saves its log-softmax."""
+    if any(p.device.type == "meta" for p in params.values()):
+        module = _meta_to_cpu(module)  # so kernels are chosen as on a real device
+    events: list = []
+    seen: set[int] = set()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        device = "cpu"
+        fake = {name: torch.empty(p.shape, dtype=p.dtype, device=device,
+                                  requires_grad=p.requires_grad) for name, p in params.items()}
+        state = {alias: fake[name] for name, alias in _aliases(module, params)}
+        for node in module.graph.nodes:  # buffers and constants, fake and on cpu too
+            value = _attr(module, node.target) if node.op == "get_attr" else None
+            if isinstance(value, torch.Tensor) and node.target not in state:
+                state[node.target] = torch.zeros(value.shape, dtype=value.dtype, device=device)
+        storages = {t.untyped_storage()._cdata: name for name, t in fake.items()}
+        seen.update(storages)
+        args = {k: torch.zeros(shape, dtype=dtype, device=device)
+                for k, (shape, dtype) in inputs.items()}
+
+        def pack(t):
+            key = t.untyped_storage()._cdata
+            if key not in seen:
+                seen.add(key)
+                events.append(("save", t.untyped_storage().nbytes()))
+            return t
+
+        with _ParamUse(storages, events), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = torch.func.functional_call(module, state, (), args, strict=False)
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    out_bytes = sum(t.numel() * t.element_size() for t in leaves)
+    if loss_keeps_output:
+        events.append(("save", out_bytes))
+    saved, uses = [], {}
+    for kind, value in events:
+        if kind == "save":
+            saved.append(value)
+        elif len(saved) not in uses.setdefault(value, []):
+            uses[value].append(len(saved))
+    return Profile(saved, uses, out_bytes)
+
+
+def _meta_to_cpu(module):
+    """A copy of a graph captured on the meta device that runs on (fake) cpu tensors (on meta,
+    attention would take its unfused path and seem to save its whole score matrix)."""
+    on_cpu = fx.GraphModule(module, copy.deepcopy(module.graph))
+    retarget_meta(on_cpu, torch.device("cpu"))
+    return on_cpu
+
+
+def _attr(module, target: str):
+    try:
+        return operator.attrgetter(target)(module)
+    except AttributeError:
+        return None
+
+
+def _aliases(module, params):
+    """(canonical name, attribute path) for every path under which `module` holds a parameter."""
+    by_id = {id(p): name for name, p in params.items()}
+    for path, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in by_id:
+            yield by_id[id(p)], path
+
+
+# reference -> {batch: Profile}
+_profiles: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def profile_of(ctx, batch_size: int, seq_len: int | None = None,
+               example_kwargs: dict | None = None) -> Profile:
+    """The profile of the captured model (`ctx.reference`) on such a batch, made once per batch
+    shape for all world sizes' programs of one capture."""
+    specs = input_specs(ctx.reference, batch_size, seq_len) if example_kwargs is None else \
+        {k: (tuple(v.shape), v.dtype) for k, v in example_kwargs.items()}
+    key = tuple(sorted((k, shape, str(dtype)) for k, (shape, dtype) in specs.items()))
+    profiles = _profiles.setdefault(ctx.reference, {})
+    if key not in profiles:
+        profiles[key] = profile_forward(ctx.reference, ctx.params, specs)
+    return profiles[key]
+
+
+# -- the batch a cost is for ------------------------------------------------------------------
+def input_specs(reference, batch_size: int, seq_len: int | None) -> dict[str, tuple]:
+    """(shape, dtype) of every input of the captured graph for a batch of `batch_size`
+    sequences of `seq_len`: dim 0 is the batch; dim 1 of an integer input (token ids, masks)
+    is the sequence; other sizes as captured. Inputs of an fx-traced graph carry no shapes:
+    an input that indexes an embedding is taken as token ids [batch, seq_len]."""
+    specs = {}
+    for node in reference.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            shape = [_hint(s) for s in val.shape]
+            if shape:
+                shape[0] = batch_size
+            if len(shape) > 1 and not val.dtype.is_floating_point and seq_len is not None:
+                shape[1] = seq_len
+            specs[node.name] = (tuple(shape), val.dtype)
+        elif _indexes_embedding(node, reference) and seq_len is not None:
+            specs[node.name] = ((batch_size, seq_len), torch.long)
+        else:
+            raise ValueError(
+                f"rtp_compile.cost: cannot tell the shape of the model input {node.name!r} "
+                "(seq_len not given, or the input does not index an embedding); pass "
+                "example_kwargs={name: tensor} with one batch instead.")
+    return specs
+
+
+def _hint(size) -> int:
+    return size.node.hint if isinstance(size, torch.SymInt) else int(size)
+
+
+def _indexes_embedding(node, reference) -> bool:
+    for user in node.users:
+        if user.op == "call_module" and isinstance(reference.get_submodule(user.target),
+                                                   torch.nn.Embedding):
+            return user.args[0] is node
+        if user.target in (F.embedding, torch.ops.aten.embedding.default):
+            return user.args[1 if user.target is torch.ops.aten.embedding.default else 0] is node
+    return False
