@@ -21,9 +21,9 @@ from rtp_compile.passes.context import Context
 from rtp_compile.passes.rotate import gathered_op
 from rtp_compile.passes.schedule import LabellingTracer, unit_autograd, unit_combine, unit_step
 from rtp_compile.runtime.events import forward_shard
-from rtp_compile.runtime.fused import LINEAR, FusedUnit, head_groups, sub_roles
+from rtp_compile.runtime.fused import LINEAR, FusedBlockRuntime, head_groups, sub_roles
 from rtp_compile.runtime.ring import BufferBroadcast, JobCheck
-from rtp_compile.runtime.units import GatherUnit, RotationUnit
+from rtp_compile.runtime.units import GatheredOpRuntime, RotatedOpRuntime
 
 
 def _install(root: nn.Module, target: str, value: torch.Tensor) -> None:
@@ -218,12 +218,12 @@ class RankEmitter:
         common = (self.rank, self.n, self.group_name, self.ctx.schedules[name],
                   self.ctx.grad_scale)
         if unit.kind == "fused":
-            self.root[f"rtp_units.{name}"] = FusedUnit(name, unit.fusion, roles, layouts,
+            self.root[f"rtp_units.{name}"] = FusedBlockRuntime(name, unit.fusion, roles, layouts,
                                                        self.ctx.bodies[name], *common)
             saved = self.saved.get(name, {})
             keep = [h for s in range(self.n) for h in saved.get(s, [])]
         else:
-            self.root[f"rtp_units.{name}"] = RotationUnit(name, unit.call, unit.mode, layouts,
+            self.root[f"rtp_units.{name}"] = RotatedOpRuntime(name, unit.call, unit.mode, layouts,
                                                           *common)
             keep = []
         out = self.graph.call_module(f"rtp_units.{name}", (*[env[a] for a in args], *keep))
@@ -242,7 +242,7 @@ class RankEmitter:
         # the body names a parameter as it reads it: a tied module called whole, by its alias
         names = [next((a for a in self.ctx.aliases.get(p, [p]) if a in held), p)
                  for p in unit.params.values()]
-        self.root[f"rtp_units.{name}"] = GatherUnit(
+        self.root[f"rtp_units.{name}"] = GatheredOpRuntime(
             name, body, names, layouts, self.rank, self.n, self.group_name,
             self.ctx.schedules[name], self.ctx.grad_scale, unit.reason)
         out = self.graph.call_module(f"rtp_units.{name}", (*inputs, *params))

@@ -1,12 +1,11 @@
-"""Weight-bearing nodes -> rank-generic unit nodes.
+"""Weight-bearing nodes -> rank-generic unit markers.
 
-Every rotated node becomes `rotation_unit(name, x, *params)`; a fused block (its first layers,
-region and last layer) becomes `fused_unit(name, x, *params, *externals)` with its region kept
-as a body GraphModule (externals: what the region reads from outside, e.g. an attention mask); every gathered node becomes
-`gathered_op(name, *inputs, *params)`, and the gathered op (with the parameter-only ops that feed
-it, such as `w.t()`) moves into a small body GraphModule run on the gathered tensors. The result
-is the program every rank shares: step k of a unit holds shard (rank - k) mod N, and codegen
-unrolls the steps for one rank.
+Every rotated node becomes `rotated_op(name, x, *params)`; a fused block (its first layers,
+region and last layer) becomes `fused_block(name, x, *params, *externals)` with its region kept
+as a body GraphModule (externals: what the region reads from outside, e.g. an attention mask);
+every gathered node becomes `gathered_op(name, *inputs, *params)`, and the gathered op (with
+the parameter-only ops that feed it, such as `w.t()`) moves into a small body GraphModule run
+on the gathered tensors. The schedule pass then writes each rotated or fused marker's steps.
 
 Invariant: after this pass no node other than a unit marker reads a parameter, so no emitted
 op can see a shard where it expects the full tensor; every rotated or fused unit of the plan
@@ -28,20 +27,20 @@ from rtp_compile.passes.subgraph import extract_graph
 from rtp_compile.passes.match import parameter_reads
 
 
-def rotation_unit(name: str, x, *params):
+def rotated_op(name: str, x, *params):
     """Marker of a rotated op in the rank-generic graph; codegen unrolls it for a rank."""
     raise RuntimeError(f"rotation unit {name!r} belongs to the rank-generic program: run the "
                        "module of a rank, prog.module(rank), not prog.graph")
 
 
-def fused_unit(name: str, x, *params_then_externals):
+def fused_block(name: str, x, *params_then_externals):
     """Marker of a fused block in the rank-generic graph; codegen unrolls it for a rank."""
     raise RuntimeError(f"fused block {name!r} belongs to the rank-generic program: run the "
                        "module of a rank, prog.module(rank), not prog.graph")
 
 
 def gathered_op(name: str, *inputs):
-    """Marker of a gathered op in the rank-generic graph; codegen calls its GatherUnit."""
+    """Marker of a gathered op in the rank-generic graph; codegen calls its GatheredOpRuntime."""
     raise RuntimeError(f"gathered op {name!r} belongs to the rank-generic program: run the "
                        "module of a rank, prog.module(rank), not prog.graph")
 
@@ -58,10 +57,12 @@ def _meta_copy(value):
     return value
 
 
-def gather_body(gm: fx.GraphModule, node: fx.Node, closure: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
+def gather_body(gm: fx.GraphModule, node: fx.Node,
+                closure: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
     """The gathered op and its parameter-only inputs as a GraphModule over its other inputs.
 
-    Its parameters are meta tensors: the GatherUnit passes the gathered ones to functional_call.
+    Its parameters are meta tensors: the GatheredOpRuntime passes the gathered ones to
+    functional_call.
     """
     inside = set(closure)
     inputs = [i for i in node.all_input_nodes if i not in inside]
@@ -73,7 +74,7 @@ def gather_body(gm: fx.GraphModule, node: fx.Node, closure: list[fx.Node]) -> tu
     return fx.GraphModule(root, graph, class_name=f"Gathered_{node.name}"), inputs
 
 
-MARKERS = {rotation_unit: "rotate", fused_unit: "fused", gathered_op: "gather"}
+MARKERS = {rotated_op: "rotate", fused_block: "fused", gathered_op: "gather"}
 
 
 def parameters_read_only_by_units(gm: fx.GraphModule) -> None:
@@ -112,12 +113,12 @@ def rotate(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             param_reads = [graph.get_attr(p) for p in unit.params.values()]
             if unit.kind == "rotate":
                 x = by_name[unit.call.input]
-                marker = graph.call_function(rotation_unit, (unit.name, x, *param_reads))
+                marker = graph.call_function(rotated_op, (unit.name, x, *param_reads))
             elif unit.kind == "fused":
                 bodies[unit.name] = region_body(gm, unit.fusion)
                 x = by_name[unit.fusion.heads[0].call.input]
                 externals = [by_name[e] for e in unit.fusion.externals]
-                marker = graph.call_function(fused_unit, (unit.name, x, *param_reads, *externals))
+                marker = graph.call_function(fused_block, (unit.name, x, *param_reads, *externals))
             else:
                 body, inputs = gather_body(gm, node, consumer_closure(node, param_only))
                 bodies[unit.name] = body

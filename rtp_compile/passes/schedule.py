@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
-from rtp_compile.passes.rotate import fused_unit, parameters_read_only_by_units, rotation_unit
+from rtp_compile.passes.rotate import fused_block, parameters_read_only_by_units, rotated_op
 from rtp_compile.runtime import ring  # noqa: F401  (registers torch.ops.rtp.*)
 from rtp_compile.runtime.events import Event, UnitSchedule
 
@@ -159,7 +159,7 @@ def _check(gm: fx.GraphModule, ctx) -> None:
     parameters_read_only_by_units(gm)
     steps: dict[str, dict[tuple[int, str], int]] = {}
     for i, node in enumerate(gm.graph.nodes):
-        if node.target in (rotation_unit, fused_unit):
+        if node.target in (rotated_op, fused_block):
             raise InvariantError(f"unit {node.args[0]} was not scheduled")
         label = node.meta.get("rtp")
         if label and label["step"] is not None:
@@ -186,7 +186,7 @@ def schedule(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     into `ctx.schedules`."""
     n, plan = ctx.world_size, ctx.plan
     markers = {node.args[0]: node for node in gm.graph.nodes
-               if node.target in (rotation_unit, fused_unit)}
+               if node.target in (rotated_op, fused_block)}
     for i, unit in enumerate(plan.units):
         tags = dict(forward_tag=3 * i, fetch_tag=3 * i + 1, grad_tag=3 * i + 2)
         if unit.kind == "gather":

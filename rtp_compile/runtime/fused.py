@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from rtp_compile.op_rules import LinearRule
-from rtp_compile.runtime.units import RingUnit
+from rtp_compile.runtime.units import UnitRuntime
 
 
 LINEAR = LinearRule()
@@ -29,7 +29,7 @@ def sub_roles(values: dict, prefix: str) -> dict:
     return {r.split(".", 1)[1]: v for r, v in values.items() if r.split(".", 1)[0] == prefix}
 
 
-class FusedUnit(RingUnit):
+class FusedBlockRuntime(UnitRuntime):
     def __init__(self, name, fusion, roles, layouts, body, rank, world_size, group_name,
                  schedule, grad_scale):
         super().__init__(name, roles, layouts, rank, world_size, group_name, schedule,
@@ -46,7 +46,7 @@ class FusedUnit(RingUnit):
                 f"row-split linear, hidden {self.hidden}; rank {self.rank} of {self.world_size}")
 
     def forward(self, y, x, *tensors):
-        """As RingUnit's, after the rank's own shards: the region's externals, then the head
+        """As UnitRuntime's, after the rank's own shards: the region's externals, then the head
         outputs of each step that held real groups."""
         externals = tensors[len(self.roles):len(self.roles) + self.n_externals]
         if torch.is_grad_enabled() and any(isinstance(e, torch.Tensor) and e.requires_grad

@@ -1,13 +1,14 @@
 """The autograd of rotation units and gathered ops, as modules the emitted graphs call.
 
 A rotation unit's forward steps are emitted inline in the rank's graph and compute on detached
-tensors; `RotationUnit` links their result into autograd. Its backward re-fetches the weight
+tensors; `RotatedOpRuntime` links their result into autograd. Its backward re-fetches the weight
 shards by counter-clockwise rotation (never saved for backward: only the activation is), runs
 the rule's backward step for each, and lets a gradient accumulator travel with each shard so it
 arrives complete, averaged like DDP's, at the rank that owns it.
 
-`GatherUnit` is the fallback for ops without a rule: ring all-gather of the parameters, run the
-op once, free; backward gathers again, recomputes the op, and ring-reduce-scatters the gradient.
+`GatheredOpRuntime` is the fallback for ops without a rule: ring all-gather of the parameters,
+run the op once, free; backward gathers again, recomputes the op, and ring-reduce-scatters the
+gradient.
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ class _UnitGrad(torch.autograd.Function):
                 *[None] * len(saved))
 
 
-class RingUnit(nn.Module):
+class UnitRuntime(nn.Module):
     """Runtime of one unit on one rank: executes the backward events its schedule hands it
     (weights re-fetched from rank+1, gradient accumulators passed to rank-1); subclasses say
     what one step computes."""
@@ -137,7 +138,7 @@ class RingUnit(nn.Module):
         return dx, grads.result(self.grad_scale) if need_dw else None
 
 
-class RotationUnit(RingUnit):
+class RotatedOpRuntime(UnitRuntime):
     """One rotated op: its rule's step backward, nothing saved but the activation."""
 
     def __init__(self, name, call, mode, layouts, rank, world_size, group_name, schedule,
@@ -217,7 +218,7 @@ class _GatherGrad(torch.autograd.Function):
                 *[g if need else None for g, need in zip(shard_grads, needs[n_inputs:])])
 
 
-class GatherUnit(nn.Module):
+class GatheredOpRuntime(nn.Module):
     """Runtime of one gathered op: `body` is a small GraphModule (the op and the parameter-only
     ops feeding it) whose parameters are placeholders filled with the gathered tensors."""
 
