@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
 from rtp_compile.passes.rotate import fused_block, parameters_read_only_by_units, rotated_op
-from rtp_compile.runtime import ring  # noqa: F401  (registers torch.ops.rtp.*)
+from rtp_compile.runtime import ring  # also registers torch.ops.rtp.*
 from rtp_compile.runtime.events import Event, UnitSchedule
 
 
@@ -102,7 +102,8 @@ class LabellingTracer(fx.proxy.GraphAppendingTracer):
         return node
 
 
-def _message(held: list[fx.Node], specs, tag: int) -> dict:
+def _message(specs, tag: int) -> dict:
+    """What a hop sends: its tag, the flat message's dtype and bytes (for inspection)."""
     dtype, total, _ = ring.flat_layout(specs)
     return {"tag": tag, "dtype": dtype, "bytes": total * dtype.itemsize}
 
@@ -125,7 +126,7 @@ def _expand(graph: fx.Graph, marker: fx.Node, unit, layouts, n: int, tag: int) -
             k = event.step
             tracer.label = {"unit": name, "step": k, "action": event.action}
             if event.action == "start":
-                tracer.label.update(_message(held, specs, tag))
+                tracer.label.update(_message(specs, tag))
                 received = create("call_function", torch.ops.rtp.ring_shift_start.default,
                                   (held, "", 1, tag, f"{name} step {k}"), {},
                                   name=f"{name}_recv{k}")
