@@ -340,3 +340,27 @@ def parity_without(rank: int, world_size: int, cases: list, seed: int, steps: in
         results[(name, capture, disabled)] = train_next_to_ddp(
             prog, prog.module(rank), model, batches, seed, lambda m, x: m(x), lambda o: o)
     return results
+
+
+def across_a_recreated_group(rank: int, world_size: int, port: int, seed: int) -> dict:
+    """A module trained, the job's process group destroyed and created again (another store,
+    another timeout), the same module trained again: the ring finds the new group's peers."""
+    import datetime
+
+    from rtp_compile.runtime import ring
+    prog = rtp_compile.transform(build("gpt", seed), world_size)
+    gm = prog.module(rank)
+    x = batch("gpt", seed, rank, 0)
+    grads = []
+    for round_ in range(2):
+        gm.zero_grad()
+        loss_of(gm(x), seed).backward()
+        grads.append({n: p.grad.clone() for n, p in gm.named_parameters()})
+        if round_ == 0:
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=77))
+    return {"same_grads": all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0]),
+            "timeout_s": ring.peers("", 1).timeout.total_seconds(),
+            "world": ring.peers("", 1).group is dist.group.WORLD}

@@ -2,8 +2,8 @@
 import pytest
 
 import rtp_compile
-from jobs import (accumulate_like_ddp, buffers_like_ddp, no_grad_then_train, state_dict_roundtrip,
-                  subgroup_programs)
+from jobs import (accumulate_like_ddp, across_a_recreated_group, buffers_like_ddp,
+                  no_grad_then_train, state_dict_roundtrip, subgroup_programs)
 
 TOL = 1e-9
 
@@ -45,3 +45,11 @@ def test_buffers_behave_as_under_ddp(broadcast, seed):
     for r in rtp_compile.launch(buffers_like_ddp, 3, args=(seed, broadcast), timeout=120):
         assert r["names"] == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
         assert r["buffers"] <= 1e-12 and r["eval_output"] <= 1e-9
+
+
+@pytest.mark.timeout(300)
+def test_a_job_that_recreates_its_process_group_keeps_training(seed):
+    from rtp_compile.runtime.launch import free_port
+    results = rtp_compile.launch(across_a_recreated_group, 2, args=(free_port(), seed),
+                                 timeout=120)
+    assert results == [{"same_grads": True, "timeout_s": 77.0, "world": True}] * 2

@@ -55,6 +55,31 @@ def group_timeout(group) -> datetime.timedelta:
             return DEFAULT_TIMEOUT
 
 
+@dataclass(frozen=True)
+class Peers:
+    """Who a rank sends to and receives from for one shift in one process group."""
+    group: object
+    dst: int                    # global rank of (r + shift) in the group
+    src: int                    # global rank of (r - shift)
+    timeout: datetime.timedelta
+
+
+_peers: dict[tuple[str, int], Peers] = {}
+
+
+def peers(group_name: str, shift: int) -> Peers:
+    """The peers of a shift, looked up once per group: a job that destroys and re-creates its
+    process group gets a new group object, and with it new peers and timeout."""
+    group = resolve_group(group_name)
+    known = _peers.get((group_name, shift))
+    if known is None or known.group is not group:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        known = _peers[(group_name, shift)] = Peers(
+            group, dist.get_global_rank(group, (rank + shift) % size),
+            dist.get_global_rank(group, (rank - shift) % size), group_timeout(group))
+    return known
+
+
 def flat_layout(specs: list[tuple[tuple[int, ...], torch.dtype]]):
     """Where each (shape, dtype) sits in one flat message: (flat dtype, total length, offsets).
     One dtype: a flat tensor of it. Mixed dtypes: bytes, each tensor 16-byte aligned."""
@@ -152,19 +177,17 @@ def shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: i
     one flat message; returns the (not yet filled) flat receive buffer, see `unpack`. Weights
     travel in pooled buffers; gradient accumulators (`pooled=False`) in their own, since the
     last one becomes the parameters' gradients."""
-    group = resolve_group(group_name)
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    dst = dist.get_global_rank(group, (rank + shift) % size)
-    src = dist.get_global_rank(group, (rank - shift) % size)
+    ring = peers(group_name, shift)
     outgoing = pack(tensors, pooled)
     received = pool.take(outgoing.numel(), outgoing.dtype, outgoing) if pooled else \
         torch.empty_like(outgoing)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, dst, group, tag),
-                                    dist.P2POp(dist.irecv, received, src, group, tag)])
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, outgoing, ring.dst, ring.group, tag),
+        dist.P2POp(dist.irecv, received, ring.src, ring.group, tag)])
     traffic["hops"] += 1
     traffic["bytes"] += outgoing.numel() * outgoing.element_size()
     _pending[received.untyped_storage().data_ptr()] = _PendingShift(
-        works, [outgoing], group_timeout(group), where)
+        works, [outgoing], ring.timeout, where)
     return received
 
 
