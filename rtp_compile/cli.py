@@ -1,7 +1,8 @@
 """Command line of rtp_compile: `rtp-compile demo` trains the demo, `rtp-compile inspect` shows
 what the compiler makes of a model (plan, per-op report, one rank's generated code),
 `rtp-compile plan` predicts per-rank memory of models far larger than this machine (built on
-the meta device), `rtp-compile bench --memory` measures it next to DDP and FSDP2."""
+the meta device), `rtp-compile bench` measures step time, memory and traffic next to DDP, FSDP2
+and DTensor tensor parallel (`--memory`: memory by category next to the cost model)."""
 from __future__ import annotations
 
 import argparse
@@ -65,10 +66,19 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, ...")
     plan.set_defaults(run=_run_plan)
 
-    bench = commands.add_parser("bench", help="DDP / FSDP2 / RTP side by side, measured")
-    bench.add_argument("--memory", action="store_true", required=True,
-                       help="per-rank memory of one AdamW step (MemTracker), N = 2 and 4")
-    bench.add_argument("--out", default="benchmarks/out", help="where the plot goes")
+    bench = commands.add_parser(
+        "bench", help="DDP / FSDP2 / DTensor TP / RTP side by side, measured: step time, "
+                      "tokens/s, peak memory, traffic (--memory: the memory benchmark)")
+    bench.add_argument("--memory", action="store_true",
+                       help="instead: per-rank memory of one AdamW step (MemTracker) by "
+                            "category, DDP / FSDP2 / RTP, N = 2 and 4, next to the cost model")
+    bench.add_argument("--preset", default="gpt-small",
+                       help="model and batch: gpt-small (default), gpt2-124m, tiny")
+    bench.add_argument("--world-sizes", type=_positive_int, nargs="+", default=[2, 4])
+    bench.add_argument("--rounds", type=_positive_int, default=3, help="interleaved rounds")
+    bench.add_argument("--steps", type=_positive_int, default=3,
+                       help="timed steps per kind and round")
+    bench.add_argument("--out", default="benchmarks/out", help="where the plot and traces go")
     bench.set_defaults(run=_run_bench)
     return parser
 
@@ -141,10 +151,16 @@ def _run_plan(args: argparse.Namespace) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> None:
-    """`bench --memory`: the measured memory benchmark (`rtp_compile.bench_memory`)."""
-    from rtp_compile.bench_memory import main as bench_memory
-
-    bench_memory(["--out", args.out])
+    """`bench`: the side-by-side speed benchmark (`rtp_compile.bench_speed`); `bench --memory`:
+    the measured memory benchmark (`rtp_compile.bench_memory`)."""
+    if args.memory:
+        from rtp_compile.bench_memory import main as bench_memory
+        bench_memory(["--out", args.out])
+        return
+    from rtp_compile.bench_speed import PRESETS, run
+    if args.preset not in PRESETS:
+        raise UsageError(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
+    run(args.world_sizes, args.preset, args.rounds, args.steps, args.out)
 
 
 def load_model(target: str) -> nn.Module:

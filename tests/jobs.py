@@ -364,3 +364,19 @@ def across_a_recreated_group(rank: int, world_size: int, port: int, seed: int) -
     return {"same_grads": all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0]),
             "timeout_s": ring.peers("", 1).timeout.total_seconds(),
             "world": ring.peers("", 1).group is dist.group.WORLD}
+
+
+def tensor_parallel_matches(rank: int, world_size: int, seed: int) -> float:
+    """The benchmark's tensor-parallel TinyGPT against the unsharded one on one batch: the
+    largest relative error of the logits."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rtp_compile.bench_speed import PRESETS, head_parallel
+    from rtp_compile.models import TinyGPT
+    config = PRESETS["tiny"][0]
+    torch.manual_seed(seed)
+    model = TinyGPT(config)
+    tp = head_parallel(copy.deepcopy(model), init_device_mesh("cpu", (world_size,)))
+    idx = torch.randint(0, config.vocab_size, (2, config.block_size),
+                        generator=torch.Generator().manual_seed(seed))
+    return rel_err(tp(idx), model(idx))

@@ -8,6 +8,7 @@ pending work lives in a registry keyed by the receive buffers, as functional col
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 from dataclasses import dataclass
@@ -171,6 +172,14 @@ def pack(tensors: list[torch.Tensor], pooled: bool = False) -> torch.Tensor:
     return flat
 
 
+def labelled(what: str):
+    """A `torch.profiler` label ("rtp.send ...", "rtp.wait ...") while a profiler records,
+    else nothing (so an unprofiled hop pays no label)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(what)
+    return contextlib.nullcontext()
+
+
 def shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: int,
                 where: str, pooled: bool = True) -> torch.Tensor:
     """Start sending `tensors` to rank r+shift and receiving their successors from r-shift, as
@@ -178,12 +187,13 @@ def shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: i
     travel in pooled buffers; gradient accumulators (`pooled=False`) in their own, since the
     last one becomes the parameters' gradients."""
     ring = peers(group_name, shift)
-    outgoing = pack(tensors, pooled)
-    received = pool.take(outgoing.numel(), outgoing.dtype, outgoing) if pooled else \
-        torch.empty_like(outgoing)
-    works = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, outgoing, ring.dst, ring.group, tag),
-        dist.P2POp(dist.irecv, received, ring.src, ring.group, tag)])
+    with labelled(f"rtp.send {where}"):
+        outgoing = pack(tensors, pooled)
+        received = pool.take(outgoing.numel(), outgoing.dtype, outgoing) if pooled else \
+            torch.empty_like(outgoing)
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, outgoing, ring.dst, ring.group, tag),
+            dist.P2POp(dist.irecv, received, ring.src, ring.group, tag)])
     traffic["hops"] += 1
     traffic["bytes"] += outgoing.numel() * outgoing.element_size()
     _pending[received.untyped_storage().data_ptr()] = _PendingShift(
@@ -197,14 +207,15 @@ def wait(received: torch.Tensor) -> None:
     if pending is None:
         raise RuntimeError("rtp_compile: ring_wait on buffers with no shift in flight")
     timeout = pending.timeout
-    for work in pending.works:
-        try:
-            work.wait(timeout)
-        except RuntimeError as err:
-            raise RuntimeError(
-                f"rtp_compile: rank {dist.get_rank()} timed out or failed in the ring during "
-                f"{pending.where} (timeout {timeout}). A rank of the job probably failed, left, "
-                f"or runs a different program: {err}") from err
+    with labelled(f"rtp.wait {pending.where}"):
+        for work in pending.works:
+            try:
+                work.wait(timeout)
+            except RuntimeError as err:
+                raise RuntimeError(
+                    f"rtp_compile: rank {dist.get_rank()} timed out or failed in the ring "
+                    f"during {pending.where} (timeout {timeout}). A rank of the job probably "
+                    f"failed, left, or runs a different program: {err}") from err
 
 
 @torch.library.custom_op("rtp::ring_shift_start", mutates_args=())

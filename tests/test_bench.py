@@ -1,0 +1,38 @@
+"""`rtp-compile bench` runs end to end on a tiny model (a smoke run for correctness: no timing
+is asserted): every kind measured, RTP's messages and bytes as its plan says, a trace and a
+plot saved; the tensor-parallel baseline computes what the model computes."""
+import json
+
+import pytest
+
+import rtp_compile
+from jobs import tensor_parallel_matches
+from rtp_compile.bench_speed import KINDS, PRESETS, run
+from rtp_compile.models import TinyGPT
+
+
+@pytest.mark.timeout(600)
+def test_bench_smoke_run_measures_every_kind(tmp_path):
+    rows = run(world_sizes=(2,), preset="tiny", rounds=1, steps=1, out=str(tmp_path))
+    assert [r["kind"] for r in rows] == list(KINDS)
+    by_kind = {r["kind"]: r for r in rows}
+    assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_mb"] > 0 for r in rows)
+    plan = rtp_compile.transform(TinyGPT(PRESETS["tiny"][0]), 2).plan
+    rtp = by_kind["rtp"]
+    assert rtp["messages"] == 3 * len(plan.units)  # forward, weight fetch, gradient: N - 1 each
+    messages = sum(plan.params[p].shard_bytes for u in plan.units for p in u.params.values())
+    assert rtp["sent_mb"] * 1e6 == pytest.approx(3 * messages)  # a tied weight travels twice
+    assert 0 <= rtp["exposed"] < 1
+    params = sum(p.numel() * 4 for p in TinyGPT(PRESETS["tiny"][0]).parameters())
+    assert by_kind["ddp"]["sent_mb"] * 1e6 == pytest.approx(params)  # all-reduce: 2(N-1)/N
+    assert by_kind["tp"]["messages"] == 4 * PRESETS["tiny"][0].n_layer  # 2 forward, 2 back
+    assert by_kind["ddp"]["vs_ddp"] == 1.0
+    trace = json.loads((tmp_path / "trace_rtp_N2_rank0.json").read_text())["traceEvents"]
+    assert any(e.get("name", "").startswith("rtp.wait") for e in trace)
+    assert (tmp_path / "speed.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_baseline_computes_the_model(seed):
+    errors = rtp_compile.launch(tensor_parallel_matches, 2, args=(seed,), timeout=120)
+    assert max(errors) <= 1e-5
