@@ -18,12 +18,12 @@ from torch import nn
 
 from rtp_compile.op_rules import Combine
 from rtp_compile.passes.context import Context
-from rtp_compile.passes.rotate import gathered_op
+from rtp_compile.passes.rotate import gathered_op, gathered_small
 from rtp_compile.passes.schedule import LabellingTracer, unit_autograd, unit_combine, unit_step
 from rtp_compile.runtime.events import forward_shard
 from rtp_compile.runtime.fused import LINEAR, FusedBlockRuntime, head_groups, sub_roles
 from rtp_compile.runtime.ring import BufferBroadcast, JobCheck
-from rtp_compile.runtime.units import GatheredOpRuntime, RotatedOpRuntime
+from rtp_compile.runtime.units import GatheredOpRuntime, RotatedOpRuntime, SmallParamsGather
 
 
 def _install(root: nn.Module, target: str, value: torch.Tensor) -> None:
@@ -85,6 +85,8 @@ class RankEmitter:
                 env[node] = self._autograd(node, env)
             elif node.op == "call_function" and node.target is gathered_op:
                 env[node] = self._gathered(node, env)
+            elif node.op == "call_function" and node.target is gathered_small:
+                env[node] = self._small(node, env)
             else:
                 env[node] = self.graph.node_copy(node, lambda a: env[a])
                 if node.target is torch.ops.rtp.ring_shift_start.default:
@@ -246,5 +248,16 @@ class RankEmitter:
             name, body, names, layouts, self.rank, self.n, self.group_name,
             self.ctx.schedules[name], self.ctx.grad_scale, unit.reason)
         out = self.graph.call_module(f"rtp_units.{name}", (*inputs, *params))
+        out.meta.update(node.meta)
+        return out
+
+    def _small(self, node: fx.Node, env) -> fx.Node:
+        """The small parameters' runtime, called on their own shards: their whole tensors."""
+        names = [read.target for read in node.args]
+        first = next(u for u in self.plan.units if u.kind == "small")
+        self.root["rtp_units.small_params"] = SmallParamsGather(
+            names, [self.plan.params[p] for p in names], self.rank, self.n, self.group_name,
+            self.ctx.schedules[first.name], self.ctx.grad_scale)
+        out = self.graph.call_module("rtp_units.small_params", tuple(env[a] for a in node.args))
         out.meta.update(node.meta)
         return out

@@ -10,7 +10,7 @@ from rtp_compile.program import RTPProgram
 
 def transform(model: nn.Module, world_size: int, example_inputs=None, *, example_kwargs=None,
               grad_reduction: str = "mean", fuse: bool = True, fuse_padding: float = 0.02,
-              disable=(), debug: bool = False) -> RTPProgram:
+              small_param_bytes: int = 65536, disable=(), debug: bool = False) -> RTPProgram:
     """Compile `model` for `world_size` ranks; needs no process group.
 
     Without example inputs the model is traced with torch.fx (or exported with the
@@ -20,11 +20,14 @@ def transform(model: nn.Module, world_size: int, example_inputs=None, *, example
     where exact; `fuse=False` is `disable=["fuse_blocks"]`. `fuse_padding`: attention is cut in
     whole head groups; where N does not divide them, a block is fused only if the padding adds
     at most this share to its weights per rank (default 2%; 1.0 allows doubling them for the
-    fused block's speed). `disable`: names of optional passes to skip
+    fused block's speed). `small_param_bytes`: elementwise units (a norm's affine, a layer
+    scale) whose parameters hold at most this many bytes are gathered once per step, all in
+    one message per hop, instead of rotated (the `gather_small_params` pass; 0: none).
+    `disable`: names of optional passes to skip
     (`rtp_compile.passes.PIPELINE`). `debug`: log each pass's graph diff at INFO through
     `logging.getLogger("rtp_compile")` and keep its code before and after in `prog.pass_log`."""
     disable = tuple(disable) + (() if fuse else ("fuse_blocks",))
-    options = Options(grad_reduction, fuse_padding, disable, debug)
+    options = Options(grad_reduction, fuse_padding, small_param_bytes, disable, debug)
     captured = capture(model, example_inputs, example_kwargs)
     ctx = Context.of(captured, world_size, options)
     return RTPProgram.compile(ctx, captured.gm)

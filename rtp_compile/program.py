@@ -104,6 +104,10 @@ class RTPProgram:
                              f"{len(u.fusion.region)} pointwise op(s) -> linear, one ring pass, "
                              f"hidden {u.fusion.hidden} never concatenated [{u.target}] "
                              f"({dims}); {held:,} B/rank")
+            elif u.kind == "small":
+                lines.append(f"  small    {u.name}: {u.target} ({', '.join(u.params.values())}) "
+                             f"gathered once per step with the other small parameters (one "
+                             f"message per hop for all); {held:,} B/rank")
             else:
                 lines.append(f"  gathered {u.name}: {u.target} ({', '.join(u.params.values())}) "
                              f"because {u.reason}; {held:,} B/rank")

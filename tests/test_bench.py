@@ -17,13 +17,19 @@ def test_bench_smoke_run_measures_every_kind(tmp_path):
     assert [r["kind"] for r in rows] == list(KINDS)
     by_kind = {r["kind"]: r for r in rows}
     assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_mb"] > 0 for r in rows)
-    plan = rtp_compile.transform(TinyGPT(PRESETS["tiny"][0]), 2).plan
+    model = TinyGPT(PRESETS["tiny"][0]).float()  # as the ranks build it (float32)
+    plan = rtp_compile.transform(model, 2).plan
     rtp = by_kind["rtp"]
-    assert rtp["messages"] == 3 * len(plan.units)  # forward, weight fetch, gradient: N - 1 each
-    messages = sum(plan.params[p].shard_bytes for u in plan.units for p in u.params.values())
-    assert rtp["sent_mb"] * 1e6 == pytest.approx(3 * messages)  # a tied weight travels twice
+    rotating = [u for u in plan.units if u.kind != "small"]
+    small = {p for u in plan.units if u.kind == "small" for p in u.params.values()}
+    # every rotating unit: forward, weight fetch, gradient (N - 1 each); the small parameters
+    # together: one all-gather, one reduce-scatter
+    assert small and rtp["messages"] == 3 * len(rotating) + 2
+    messages = sum(plan.params[p].shard_bytes for u in rotating for p in u.params.values())
+    small_bytes = sum(plan.params[p].shard_bytes for p in small)
+    assert rtp["sent_mb"] * 1e6 == pytest.approx(3 * messages + 2 * small_bytes)  # tied: twice
     assert 0 <= rtp["exposed"] < 1
-    params = sum(p.numel() * 4 for p in TinyGPT(PRESETS["tiny"][0]).parameters())
+    params = sum(p.numel() * 4 for p in model.parameters())
     assert by_kind["ddp"]["sent_mb"] * 1e6 == pytest.approx(params)  # all-reduce: 2(N-1)/N
     assert by_kind["tp"]["messages"] == 4 * PRESETS["tiny"][0].n_layer  # 2 forward, 2 back
     assert by_kind["ddp"]["vs_ddp"] == 1.0

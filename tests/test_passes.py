@@ -327,8 +327,9 @@ def test_native_layer_norm_of_decomposed_graphs_is_split_and_rotated():
             return out * 2 + mean
 
     model = Decomposed()
-    prog = rtp_compile.transform(model, 2)
+    prog = rtp_compile.transform(model, 2, small_param_bytes=0)  # rotated, not gathered per step
     assert [(u.kind, u.call.rule.name) for u in prog.plan.units] == [("rotate", "elementwise")]
+    assert [u.kind for u in rtp_compile.transform(model, 2).plan.units] == ["small"]
     x = torch.randn(3, 6)
     assert torch.allclose(rtp_compile.transform(model, 1).module(0)(x), model(x), atol=1e-12)
 

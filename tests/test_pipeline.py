@@ -12,13 +12,14 @@ from rtp_compile.passes import PIPELINE
 from rtp_compile.passes.pipeline import InvariantError
 from zoo import build
 
-OPTIONAL = ["lower_modules", "fold_parameter_metadata", "split_norm_affine", "fuse_blocks"]
+OPTIONAL = ["lower_modules", "fold_parameter_metadata", "split_norm_affine", "fuse_blocks",
+            "gather_small_params"]
 
 
 def test_pipeline_is_one_ordered_list_of_checked_passes():
     assert [p.__name__ for p in PIPELINE] == [
         "lower_modules", "fold_parameter_metadata", "split_norm_affine", "plan_sharding",
-        "fuse_blocks", "rotate", "schedule"]
+        "fuse_blocks", "gather_small_params", "rotate", "schedule"]
     assert [p.__name__ for p in PIPELINE if not p.required] == OPTIONAL
     assert all(callable(p.check) for p in PIPELINE)
 
@@ -33,7 +34,7 @@ def test_debug_logs_and_keeps_each_pass_diff(caplog):
     assert lowered["call_module:wte"] == (1, 0) and lowered["call_function:linear"][0] == 0
     assert log["plan_sharding"].added == log["plan_sharding"].removed == []  # plan only
     hops = log["schedule"].changed_ops()["call_function:rtp.ring_shift_start.default"]
-    units = [u for u in prog.plan.units if u.kind != "gather"]
+    units = [u for u in prog.plan.units if u.kind in ("rotate", "fused")]
     assert hops == (0, len(units))  # N - 1 = 1 forward hop per unit
     assert "ring_shift_start" in log["schedule"].diff() and "+" in log["rotate"].diff()
     quiet = rtp_compile.transform(build("gpt", 0), 2)
@@ -65,7 +66,8 @@ def test_required_or_unknown_passes_cannot_be_disabled():
 @pytest.mark.timeout(600)
 def test_each_optional_pass_disabled_in_turn_keeps_parity(seed):
     cases = [(name, "fx", p) for p in OPTIONAL for name in ("mlp", "gpt", "conv")] + \
-        [("attention", "export", p) for p in ("split_norm_affine", "fuse_blocks")]
+        [("attention", "export", p) for p in ("split_norm_affine", "fuse_blocks",
+                                              "gather_small_params")]
     results = rtp_compile.launch(parity_without, 2, args=(cases, seed), timeout=400)
     for rank, per_case in enumerate(results):
         assert len(per_case) == len(cases)

@@ -131,17 +131,33 @@ def rtp_cost(plan, profile: Profile, optimizer: str = "adamw", dtype=None) -> Co
     """RTP: every parameter, gradient and optimizer state is a 1/N shard. A rotated unit has
     its flat messages in flight (2 forward: held + incoming; 4 backward: weights and gradient
     accumulators, held + incoming); a gathered op its full tensors. Every unit sends
-    3 (N - 1) messages a step (forward, backward weights, gradient accumulators)."""
+    3 (N - 1) messages a step (forward, backward weights, gradient accumulators); the small
+    units together 2 (N - 1) (one all-gather, one reduce-scatter), held whole."""
     element = {n: (dtype or lay.dtype).itemsize for n, lay in plan.params.items()}
     shard = {n: _layout_expr(lay, element[n]) for n, lay in plan.params.items()}
     params, grads, opt = _state(shard, len(plan.params), optimizer)
     ring = sympy.Min(N - 1, 1)  # one rank has no ring: nothing in flight
     forward_units, backward_units, traffic = [], [], sympy.Integer(0)
-    for unit in plan.units:
-        names = list(unit.params.values())
+
+    def message_of(names):
         message = sympy.Add(*[shard[n] for n in names])
         if len({dtype or plan.params[n].dtype for n in names}) > 1:  # aligned byte message
             message += 16 * len(names)
+        return message
+
+    small = list(dict.fromkeys(p for u in plan.units if u.kind == "small"
+                               for p in u.params.values()))
+    if small:  # one all-gather forward, one reduce-scatter backward, for all of them
+        message = message_of(small)
+        traffic += 2 * (N - 1) * message
+        full = sum(math.prod(plan.params[n].shape) * element[n] for n in small)
+        forward_units.append((small, full + 2 * ring * message))
+        backward_units.append((small, 2 * full + 2 * ring * message))
+    for unit in plan.units:
+        if unit.kind == "small":
+            continue
+        names = list(unit.params.values())
+        message = message_of(names)
         traffic += 3 * (N - 1) * message
         if unit.kind == "gather":
             full = sum(math.prod(plan.params[n].shape) * element[n] for n in names)

@@ -6,6 +6,7 @@ after it runs (`passes.pipeline`); `transform(..., disable=[names])` skips optio
 """
 from rtp_compile.passes.fold_parameter_metadata import fold_parameter_metadata
 from rtp_compile.passes.fuse import fuse_blocks
+from rtp_compile.passes.gather_small import gather_small_params
 from rtp_compile.passes.lower_modules import lower_modules
 from rtp_compile.passes.pipeline import run_pipeline
 from rtp_compile.passes.plan import plan_sharding
@@ -19,6 +20,7 @@ PIPELINE = [
     split_norm_affine,        # norm(x, w, b) -> norm(x) * w + b: the affine rotates
     plan_sharding,            # ctx.plan: a layout per parameter, a unit per weight-bearing op
     fuse_blocks,              # ctx.plan: MLP / attention blocks as one unit where exact
+    gather_small_params,      # ctx.plan: norm affines and other tiny units gathered per step
     rotate,                   # weight-bearing ops -> unit markers, bodies into ctx.bodies
     schedule,                 # markers -> steps and ring hops; backward events into ctx
 ]

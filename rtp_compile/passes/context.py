@@ -28,11 +28,14 @@ class Options:
 
     `grad_reduction`: "mean" (like DDP) or "sum" over the ranks' batches. `fuse_padding`: the
     share whole-head-group cutting may add to a fused attention block's weights per rank.
+    `small_param_bytes`: elementwise units (norm affines, layer scales) whose parameters hold at
+    most this many bytes are gathered once per step together instead of rotated (0: none).
     `disable`: names of passes to skip (`rtp_compile.passes.PIPELINE`). `debug`: log every
     pass's graph diff at INFO through `logging.getLogger("rtp_compile")` and keep the code
     before and after each pass in `prog.pass_log`."""
     grad_reduction: str = "mean"
     fuse_padding: float = 0.02
+    small_param_bytes: int = 65536
     disable: tuple[str, ...] = ()
     debug: bool = False
 
@@ -44,6 +47,10 @@ class Options:
                 not isinstance(self.fuse_padding, (int, float)) or self.fuse_padding < 0:
             raise ValueError(f"rtp_compile.transform: fuse_padding must be a share >= 0 (0.02 = "
                              f"2%), got {self.fuse_padding!r}")
+        if isinstance(self.small_param_bytes, bool) or \
+                not isinstance(self.small_param_bytes, int) or self.small_param_bytes < 0:
+            raise ValueError(f"rtp_compile.transform: small_param_bytes must be an int >= 0, "
+                             f"got {self.small_param_bytes!r}")
         object.__setattr__(self, "disable", tuple(self.disable))
 
 

@@ -26,7 +26,7 @@ class Unit:
     """One weight-bearing node of the graph and how it runs."""
     name: str                            # attribute-safe, unique
     node: str                            # node name in the captured graph
-    kind: str                            # "rotate" | "gather"
+    kind: str                            # "rotate" | "fused" | "gather" | "small"
     params: dict[str, str]               # role -> parameter name
     call: OpCall | None = None           # rotate: the rule view of the node
     mode: str | None = None              # rotate: the rule's mode
@@ -48,7 +48,7 @@ class Plan:
 
     def strategy(self, name: str) -> str:
         kinds = {u.kind for u in self.units if name in u.params.values()}
-        return "gather" if "gather" in kinds else "rotate" if kinds else "unused"
+        return "gather" if kinds & {"gather", "small"} else "rotate" if kinds else "unused"
 
     def units_of(self, name: str) -> list[Unit]:
         return [u for u in self.units if name in u.params.values()]
@@ -69,6 +69,8 @@ class Plan:
                      f"{sum(u.kind == 'rotate' for u in self.units)} rotated ops, "
                      f"{sum(u.kind == 'fused' for u in self.units)} fused blocks, "
                      f"{sum(u.kind == 'gather' for u in self.units)} gathered ops, "
+                     f"{sum(u.kind == 'small' for u in self.units)} small ones gathered per "
+                     f"step, "
                      f"{total:,} parameter bytes per rank")
         return "\n".join(lines)
 

@@ -45,6 +45,13 @@ def gathered_op(name: str, *inputs):
                        "module of a rank, prog.module(rank), not prog.graph")
 
 
+def gathered_small(*params):
+    """Marker of the small parameters gathered once per step (all of them, in one message per
+    hop); codegen calls the runtime that gathers them and returns them whole."""
+    raise RuntimeError("the small parameters belong to the rank-generic program: run the module "
+                       "of a rank, prog.module(rank), not prog.graph")
+
+
 def _meta_copy(value):
     if isinstance(value, torch.nn.Parameter):
         return torch.nn.Parameter(torch.empty_like(value, device="meta"), value.requires_grad)
@@ -77,6 +84,17 @@ def gather_body(gm: fx.GraphModule, node: fx.Node,
 MARKERS = {rotated_op: "rotate", fused_block: "fused", gathered_op: "gather"}
 
 
+def _gather_small(graph: fx.Graph, first: fx.Node, params: list[str],
+                  units: list[str]) -> dict[str, fx.Node]:
+    """Before the first small op: one gathered_small node over every small parameter, and a
+    getitem per parameter (its whole tensor)."""
+    with graph.inserting_before(first):
+        marker = graph.call_function(gathered_small, tuple(graph.get_attr(p) for p in params))
+        marker.meta["rtp"] = {"unit": units[0], "units": units, "step": None, "action": "small"}
+        marker.meta["is_wrapped"] = True
+        return {p: graph.call_function(operator.getitem, (marker, i)) for i, p in enumerate(params)}
+
+
 def parameters_read_only_by_units(gm: fx.GraphModule) -> None:
     """Every user of a parameter read is a node of a unit (it carries a unit label)."""
     for read in parameter_reads(gm):
@@ -88,7 +106,13 @@ def parameters_read_only_by_units(gm: fx.GraphModule) -> None:
 def _check(gm: fx.GraphModule, ctx) -> None:
     parameters_read_only_by_units(gm)
     markers = {n.args[0]: n.target for n in gm.graph.nodes if n.target in MARKERS}
+    small = [n for n in gm.graph.nodes if n.target is gathered_small]
+    covered = set(small[0].meta["rtp"]["units"]) if small else set()
+    if len(small) > 1 or covered != {u.name for u in ctx.plan.units if u.kind == "small"}:
+        raise InvariantError("the small units are not all gathered by one gathered_small node")
     for u in ctx.plan.units:
+        if u.kind == "small":
+            continue
         if MARKERS.get(markers.get(u.name)) != u.kind:
             raise InvariantError(f"unit {u.name} ({u.kind}) has no marker of its kind")
         if u.kind != "rotate" and u.name not in ctx.bodies:
@@ -105,9 +129,18 @@ def rotate(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     bodies: dict[str, fx.GraphModule] = {}
     graph = gm.graph
     by_name = {n.name: n for n in graph.nodes}  # units rewritten so far map to their markers
+    small = [u for u in plan.units if u.kind == "small"]
+    small_params = list(dict.fromkeys(p for u in small for p in u.params.values()))
+    gathered: dict[str, fx.Node] = {}  # small parameter -> its whole tensor
     for node in list(graph.nodes):
         unit = by_node.get(node.name)
         if unit is None:
+            continue
+        if unit.kind == "small":  # the op stays; it reads the gathered whole tensors
+            if not gathered:
+                gathered = _gather_small(graph, node, small_params, [u.name for u in small])
+            for read in [i for i in node.all_input_nodes if i in reads]:
+                node.replace_input_with(read, gathered[reads[read]])
             continue
         with graph.inserting_before(node):
             param_reads = [graph.get_attr(p) for p in unit.params.values()]

@@ -169,7 +169,7 @@ def _check(gm: fx.GraphModule, ctx) -> None:
     for u in ctx.plan.units:
         if u.name not in ctx.schedules:
             raise InvariantError(f"unit {u.name} has no schedule")
-        if u.kind == "gather":
+        if u.kind in ("gather", "small"):
             continue
         at = steps.get(u.name, {})
         for k in range(n - 1):
@@ -190,7 +190,7 @@ def schedule(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                if node.target in (rotated_op, fused_block)}
     for i, unit in enumerate(plan.units):
         tags = dict(forward_tag=3 * i, fetch_tag=3 * i + 1, grad_tag=3 * i + 2)
-        if unit.kind == "gather":
+        if unit.kind in ("gather", "small"):  # they run their own ring all-gather
             ctx.schedules[unit.name] = UnitSchedule(**tags)
             continue
         layouts = [plan.params[p] for p in unit.params.values()]

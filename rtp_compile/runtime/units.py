@@ -173,6 +173,21 @@ def ring_all_gather(own: list[torch.Tensor], layouts, rank: int, world_size: int
             for i, lay in enumerate(layouts)]
 
 
+def ring_reduce_scatter(full_grads: list[torch.Tensor], layouts, rank: int, world_size: int,
+                        group_name: str, tag: int, where: str, scale: float):
+    """Each rank's shard of the sum over ranks of `full_grads` (times `scale`), by N-1
+    counter-clockwise hops of one accumulator message."""
+    grads = GradientRing(layouts, group_name, f"{where} backward", full_grads[0])
+    for j in range(world_size):
+        s = backward_shard(rank, j, world_size)
+        grads.receive()
+        for part, g, lay in zip(grads.real_parts(s), full_grads, layouts):
+            part.add_(lay.real_part_of(g, s))
+        if j < world_size - 1:
+            grads.pass_on(j, tag)
+    return grads.result(scale)
+
+
 def _save(ctx, values) -> None:
     """save_for_backward for a mix of tensors and other values (sizes read from the graph)."""
     ctx.is_tensor = [isinstance(v, torch.Tensor) for v in values]
@@ -242,20 +257,58 @@ class GatheredOpRuntime(nn.Module):
                                           tuple(inputs), strict=False)
 
     def reduce_scatter(self, full_grads):
-        n = self.world_size
-        grads = GradientRing(self.layouts, self.group_name, f"{self.unit_name} backward",
-                             full_grads[0])
-        for j in range(n):
-            s = backward_shard(self.rank, j, n)
-            grads.receive()
-            for part, g, lay in zip(grads.real_parts(s), full_grads, self.layouts):
-                part.add_(lay.real_part_of(g, s))
-            if j < n - 1:
-                grads.pass_on(j, self.schedule.grad_tag)
-        return grads.result(self.grad_scale)
+        return ring_reduce_scatter(full_grads, self.layouts, self.rank, self.world_size,
+                                   self.group_name, self.schedule.grad_tag, self.unit_name,
+                                   self.grad_scale)
 
     def forward(self, *tensors):
         n_inputs = len(tensors) - len(self.param_names)
         if not torch.is_grad_enabled():
             return self.run(tensors[:n_inputs], self.gather(tensors[n_inputs:]))
         return _GatherGrad.apply(self, n_inputs, *tensors)
+
+
+class _SmallGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runtime, *own):
+        ctx.runtime = runtime
+        return tuple(runtime.gather(own))
+
+    @staticmethod
+    def backward(ctx, *full_grads):
+        r = ctx.runtime
+        grads = [torch.zeros(lay.shape, dtype=lay.dtype, device=r.device) if g is None else g
+                 for g, lay in zip(full_grads, r.layouts)]
+        shards = ring_reduce_scatter(grads, r.layouts, r.rank, r.world_size, r.group_name,
+                                     r.schedule.grad_tag, "small parameters", r.grad_scale)
+        # each gradient its own tensor: as views of the one accumulator message, any one of
+        # them would keep all of it alive (and MemTracker counts it so)
+        return (None, *[g.clone() for g in shards])
+
+
+class SmallParamsGather(nn.Module):
+    """Runtime of the small parameters gathered once per step: their shards all-gathered in one
+    message per hop, the full tensors handed to the ops that read them; backward, once autograd
+    has summed every use's gradient, one reduce-scatter of all of them."""
+
+    def __init__(self, names, layouts, rank, world_size, group_name, schedule: UnitSchedule,
+                 grad_scale):
+        super().__init__()
+        self.names, self.layouts, self.rank, self.world_size = list(names), layouts, rank, \
+            world_size
+        self.group_name, self.schedule, self.grad_scale = group_name, schedule, grad_scale
+        self.device = None
+
+    def extra_repr(self) -> str:
+        return f"gathered once per step: {', '.join(self.names)}; rank {self.rank} of " \
+               f"{self.world_size}"
+
+    def gather(self, own):
+        return ring_all_gather(list(own), self.layouts, self.rank, self.world_size,
+                               self.group_name, self.schedule.forward_tag, "small parameters")
+
+    def forward(self, *own):
+        self.device = own[0].device
+        if not torch.is_grad_enabled():
+            return tuple(self.gather(own))
+        return _SmallGather.apply(self, *own)
