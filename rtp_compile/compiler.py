@@ -10,7 +10,8 @@ from rtp_compile.program import RTPProgram
 
 def transform(model: nn.Module, world_size: int, example_inputs=None, *, example_kwargs=None,
               grad_reduction: str = "mean", fuse: bool = True, fuse_padding: float = 0.02,
-              small_param_bytes: int = 65536, disable=(), debug: bool = False) -> RTPProgram:
+              small_param_bytes: int = 65536, max_bytes_in_flight: int | None = None,
+              disable=(), debug: bool = False) -> RTPProgram:
     """Compile `model` for `world_size` ranks; needs no process group.
 
     Without example inputs the model is traced with torch.fx (or exported with the
@@ -23,11 +24,15 @@ def transform(model: nn.Module, world_size: int, example_inputs=None, *, example
     fused block's speed). `small_param_bytes`: elementwise units (a norm's affine, a layer
     scale) whose parameters hold at most this many bytes are gathered once per step, all in
     one message per hop, instead of rotated (the `gather_small_params` pass; 0: none).
+    `max_bytes_in_flight`: ring message bytes a rank may hold at once in forward; a unit's
+    first hop starts during the previous unit's last step where both fit (default: two of the
+    largest unit's messages, what one unit holds anyway; 0: no such prefetch).
     `disable`: names of optional passes to skip
     (`rtp_compile.passes.PIPELINE`). `debug`: log each pass's graph diff at INFO through
     `logging.getLogger("rtp_compile")` and keep its code before and after in `prog.pass_log`."""
     disable = tuple(disable) + (() if fuse else ("fuse_blocks",))
-    options = Options(grad_reduction, fuse_padding, small_param_bytes, disable, debug)
+    options = Options(grad_reduction, fuse_padding, small_param_bytes, max_bytes_in_flight,
+                      disable, debug)
     captured = capture(model, example_inputs, example_kwargs)
     ctx = Context.of(captured, world_size, options)
     return RTPProgram.compile(ctx, captured.gm)

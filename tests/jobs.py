@@ -126,7 +126,7 @@ class ShardBufferTracker(torch.utils._python_dispatch.TorchDispatchMode):
         self.params = params
         self.owned = {p.untyped_storage().data_ptr() for p in params}
         self.alive: dict[int, object] = {}
-        self.peak = self.created = 0
+        self.peak = self.created = self.peak_bytes = 0
         self.full_size: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -144,7 +144,9 @@ class ShardBufferTracker(torch.utils._python_dispatch.TorchDispatchMode):
                     (key not in self.alive or self.alive[key]() is None):
                 self.alive[key] = weakref.ref(storage)
                 self.created += 1
-        self.peak = max(self.peak, len(self.live()))
+        live = self.live()
+        self.peak = max(self.peak, len(live))
+        self.peak_bytes = max(self.peak_bytes, sum(self.alive[k]().nbytes() for k in live))
         return out
 
     def live(self) -> set[int]:
@@ -153,7 +155,7 @@ class ShardBufferTracker(torch.utils._python_dispatch.TorchDispatchMode):
         return {k for k, r in self.alive.items() if r() is not None and k not in grads}
 
     def reset(self):
-        self.peak = self.created = 0
+        self.peak = self.created = self.peak_bytes = 0
 
 
 def buffer_peaks(rank: int, world_size: int, seed: int) -> dict:
@@ -174,12 +176,14 @@ def buffer_peaks(rank: int, world_size: int, seed: int) -> dict:
     with ShardBufferTracker(messages, full, list(gm.parameters())) as tracker:
         loss = gm(x).pow(2).sum()
         forward = {"peak": tracker.peak, "created": tracker.created}
+        forward_bytes = tracker.peak_bytes
         tracker.reset()
         loss.backward()
         backward = {"peak": tracker.peak, "created": tracker.created}
     del loss
     from rtp_compile.runtime import ring
     return {"forward": forward, "backward": backward, "full_size": tracker.full_size,
+            "forward_bytes": forward_bytes, "largest_message": max(messages),
             "leftover": len(tracker.live()), "pending": len(ring._pending),
             "pooled": len(ring.pool.buffers), "units": len(prog.plan.units),
             "kinds": sorted(u.kind for u in prog.plan.units)}

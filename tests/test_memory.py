@@ -26,5 +26,7 @@ def test_transient_shard_buffers_are_bounded_and_reused(world_size, seed):
         # exactly 2: the tracker does see the buffers; without reuse a unit would allocate
         # world_size of them (its packed own shards, then one per hop)
         assert r["forward"] == {"peak": 2, "created": 2 * r["units"]}, f"rank {rank}: {r}"
+        # the schedule's forward budget (two of the largest messages) holds, measured
+        assert r["forward_bytes"] <= 2 * r["largest_message"], f"rank {rank}: {r}"
         assert 3 <= r["backward"]["peak"] <= 4, f"rank {rank}: {r}"
         assert r["leftover"] == 0 and r["pooled"] == 0 and r["pending"] == 0, f"rank {rank}: {r}"

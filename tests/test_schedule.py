@@ -79,3 +79,32 @@ def test_emitted_code_reads_as_the_schedule():
     for expected in ("ring_shift_start", "ring_wait", "_y0", "_y1", "_y2", "torch.cat"):
         assert expected in code
     assert code.index("_recv1") < code.index("_y0") < code.index("_wait1") < code.index("_y1")
+
+
+def _position(gm, unit, step, action):
+    return [i for i, n in enumerate(gm.graph.nodes)
+            if n.meta.get("rtp", {}).get("unit") == unit
+            and (n.meta["rtp"]["step"], n.meta["rtp"]["action"]) == (step, action)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_next_units_first_hop_starts_during_the_last_step_of_the_one_before(world_size):
+    model = build("mlp", 0)
+    units = [u.name for u in rtp_compile.transform(model, world_size).plan.units
+             if u.kind in ("rotate", "fused")]
+    assert len(units) >= 2
+    for budget, prefetched in ((None, True), (0, False)):
+        gm = rtp_compile.transform(model, world_size, max_bytes_in_flight=budget).module(0)
+        for current, following in zip(units, units[1:]):
+            (start,) = _position(gm, following, 1, "start")
+            last = _position(gm, current, world_size - 1, "compute")  # the ops of the step
+            assert last and (start < min(last)) == prefetched, (current, following, budget)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_backward_starts_with_the_own_shards_input_grad_while_the_first_fetch_flies(world_size):
+    order = [(e.action, e.step) for e in backward_schedule(world_size)]
+    own = world_size - 1
+    assert order[:2] == [("fetch_start", 0), ("input_grad", own)]
+    assert order.index(("input_grad", own)) < order.index(("fetch_wait", 0))
+    assert order[-2:] == [("receive_grad", own), ("weight_grad", own)]

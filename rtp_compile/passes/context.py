@@ -30,12 +30,16 @@ class Options:
     share whole-head-group cutting may add to a fused attention block's weights per rank.
     `small_param_bytes`: elementwise units (norm affines, layer scales) whose parameters hold at
     most this many bytes are gathered once per step together instead of rotated (0: none).
+    `max_bytes_in_flight`: the ring messages a rank may hold at once in forward; the schedule
+    starts a unit's first hop during the previous unit's last step where both fit (None: two
+    of the largest unit's messages, what one unit alone holds; 0: never).
     `disable`: names of passes to skip (`rtp_compile.passes.PIPELINE`). `debug`: log every
     pass's graph diff at INFO through `logging.getLogger("rtp_compile")` and keep the code
     before and after each pass in `prog.pass_log`."""
     grad_reduction: str = "mean"
     fuse_padding: float = 0.02
     small_param_bytes: int = 65536
+    max_bytes_in_flight: int | None = None
     disable: tuple[str, ...] = ()
     debug: bool = False
 
@@ -51,6 +55,11 @@ class Options:
                 not isinstance(self.small_param_bytes, int) or self.small_param_bytes < 0:
             raise ValueError(f"rtp_compile.transform: small_param_bytes must be an int >= 0, "
                              f"got {self.small_param_bytes!r}")
+        if self.max_bytes_in_flight is not None and (
+                isinstance(self.max_bytes_in_flight, bool) or
+                not isinstance(self.max_bytes_in_flight, int) or self.max_bytes_in_flight < 0):
+            raise ValueError(f"rtp_compile.transform: max_bytes_in_flight must be None or an int "
+                             f">= 0, got {self.max_bytes_in_flight!r}")
         object.__setattr__(self, "disable", tuple(self.disable))
 
 

@@ -21,6 +21,8 @@ receives; every unit has its schedule; parameters are read only by the nodes of 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 
@@ -48,25 +50,27 @@ def backward_schedule(world_size: int, fetch_tag: int | None = None,
 
     fetch_start(j)/fetch_wait(j): the weight shard for step j arrives from rank+1 (the last step
     uses the rank's own shard, so it fetches nothing); release: after the last weight hop the
-    pooled weight buffers go; input_grad(j): this step's part of dx, computed while the
-    accumulator hop is in flight; receive_grad(j): wait for that shard's accumulator from rank+1
-    (step 0 starts one at zero); weight_grad(j): add this rank's gradient into it in place;
-    pass(j): send it on to rank-1 (the last step keeps it: owner).
-    In flight at most: weight held + incoming, accumulator outgoing + incoming.
+    pooled weight buffers go; input_grad(j): this step's part of dx; receive_grad(j): wait for
+    that shard's accumulator from rank+1 (step 0 starts one at zero); weight_grad(j): add this
+    rank's gradient into it in place; pass(j): send it on to rank-1 (the last step keeps it:
+    owner). The own shard's part of dx comes first, while the first weight hop is in flight, so
+    a unit's backward does not start by waiting; its weight gradient waits for its accumulator,
+    last. In flight at most: weight held + incoming, accumulator outgoing + incoming.
     """
     n = world_size
-    events = [Event("fetch_start", 0, fetch_tag)] if n > 1 else []
-    for j in range(n):
-        if j < n - 1:
-            events.append(Event("fetch_wait", j))
-            if j == n - 2:
-                events.append(Event("release", j))
+    own = n - 1
+    events = [Event("fetch_start", 0, fetch_tag), Event("input_grad", own)] if n > 1 else []
+    for j in range(n - 1):
+        events.append(Event("fetch_wait", j))
+        if j == n - 2:
+            events.append(Event("release", j))
         if j + 1 < n - 1:
             events.append(Event("fetch_start", j + 1, fetch_tag))
-        events += [Event("input_grad", j), Event("receive_grad", j), Event("weight_grad", j)]
-        if j < n - 1:
-            events.append(Event("pass", j, grad_tag))
-    return events
+        events += [Event("input_grad", j), Event("receive_grad", j), Event("weight_grad", j),
+                   Event("pass", j, grad_tag)]
+    if n == 1:
+        events.append(Event("input_grad", own))
+    return events + [Event("receive_grad", own), Event("weight_grad", own)]
 
 
 def unit_step(name: str, step: int, x, *held_then_externals):
@@ -108,7 +112,16 @@ def _message(specs, tag: int) -> dict:
     return {"tag": tag, "dtype": dtype, "bytes": total * dtype.itemsize}
 
 
-def _expand(graph: fx.Graph, marker: fx.Node, unit, layouts, n: int, tag: int) -> None:
+@dataclass
+class Expanded:
+    """Where a unit's forward steps lie: its first hop (the own shards' reads and detaches and
+    the start), its last step, and the bytes of its message."""
+    first_hop: list[fx.Node]
+    last_step: fx.Node
+    message_bytes: int
+
+
+def _expand(graph: fx.Graph, marker: fx.Node, unit, layouts, n: int, tag: int) -> Expanded:
     """Unit `unit`'s forward steps before `marker`, which they replace."""
     name, x, *rest = marker.args
     params, externals = rest[:len(unit.params)], rest[len(unit.params):]
@@ -130,6 +143,8 @@ def _expand(graph: fx.Graph, marker: fx.Node, unit, layouts, n: int, tag: int) -
                 received = create("call_function", torch.ops.rtp.ring_shift_start.default,
                                   (held, "", 1, tag, f"{name} step {k}"), {},
                                   name=f"{name}_recv{k}")
+                if k == 1:
+                    received_first = received
             elif event.action == "wait":
                 create("call_function", torch.ops.rtp.ring_wait.default, (received,), {},
                        name=f"{name}_wait{k}")
@@ -154,6 +169,22 @@ def _expand(graph: fx.Graph, marker: fx.Node, unit, layouts, n: int, tag: int) -
     link.meta.update({k: v for k, v in marker.meta.items() if k != "rtp"})
     marker.replace_all_uses_with(link)
     graph.erase_node(marker)
+    own = [d for d in link.graph.nodes if d.meta.get("rtp", {}).get("unit") == name
+           and d.meta["rtp"]["action"] == "detach" and d.args[0] in params]
+    first = [*params, *own, *([received_first] if n > 1 else [])]
+    return Expanded(first, parts[-1], _message(specs, tag)["bytes"])
+
+
+def prefetch(current: Expanded, following: Expanded, budget: int) -> None:
+    """Start the following unit's first hop before the current unit's last step computes (its
+    own shards are at hand from the start), where the two messages then in flight (the
+    current unit's last one, the following unit's first) fit in `budget` bytes."""
+    if current.message_bytes + following.message_bytes > budget:
+        return
+    for node in following.first_hop:
+        current.last_step.prepend(node)
+        if node.op == "call_function":
+            node.meta["rtp"]["prefetched"] = True
 
 
 def _check(gm: fx.GraphModule, ctx) -> None:
@@ -188,15 +219,23 @@ def schedule(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     n, plan = ctx.world_size, ctx.plan
     markers = {node.args[0]: node for node in gm.graph.nodes
                if node.target in (rotated_op, fused_block)}
+    expanded = []
     for i, unit in enumerate(plan.units):
         tags = dict(forward_tag=3 * i, fetch_tag=3 * i + 1, grad_tag=3 * i + 2)
         if unit.kind in ("gather", "small"):  # they run their own ring all-gather
             ctx.schedules[unit.name] = UnitSchedule(**tags)
             continue
         layouts = [plan.params[p] for p in unit.params.values()]
-        _expand(gm.graph, markers[unit.name], unit, layouts, n, tags["forward_tag"])
+        expanded.append(_expand(gm.graph, markers[unit.name], unit, layouts, n,
+                                tags["forward_tag"]))
         ctx.schedules[unit.name] = UnitSchedule(
             **tags, backward=tuple(backward_schedule(n, tags["fetch_tag"], tags["grad_tag"])))
+    if n > 1 and expanded:
+        budget = ctx.options.max_bytes_in_flight
+        if budget is None:  # what one unit alone holds: two of the largest messages
+            budget = 2 * max(e.message_bytes for e in expanded)
+        for current, following in zip(expanded, expanded[1:]):
+            prefetch(current, following, budget)
     gm.graph.lint()
     gm.recompile()
     return gm

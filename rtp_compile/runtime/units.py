@@ -98,7 +98,8 @@ class UnitRuntime(nn.Module):
 
     def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
         """This step's part of dx (added into `dx`, None when not needed). `scratch` is a dict
-        that lives for one step, for what both step functions need."""
+        that lives for one step (from its input grad to its weight grad), for what both step
+        functions need."""
         raise NotImplementedError
 
     def step_weight_grads(self, shard, dy, x, shards, slots, saved, into, scratch):
@@ -110,11 +111,10 @@ class UnitRuntime(nn.Module):
         n, where = self.world_size, f"{self.unit_name} backward"
         dx = torch.zeros_like(x) if need_dx else None
         grads = GradientRing(self.layouts, self.group_name, where, own[0]) if need_dw else None
-        held, incoming, scratch = own, None, {}
+        held, incoming, scratches = own, None, {}
         for event in self.schedule.backward:
             j, action = event.step, event.action
-            if action == "input_grad":
-                scratch = {}
+            scratch = scratches.setdefault(j, {})
             s = backward_shard(self.rank, j, n)
             slots = {r: lay.slot(s) for r, lay in zip(self.roles, self.layouts)}
             shards = dict(zip(self.roles, own if j == n - 1 else held))  # last step: own shard
@@ -130,9 +130,11 @@ class UnitRuntime(nn.Module):
                 self.step_input_grad(s, dy, x, shards, slots, saved, dx, scratch)
             elif action == "receive_grad" and need_dw:
                 grads.receive()
-            elif action == "weight_grad" and need_dw:
-                self.step_weight_grads(s, dy, x, shards, slots, saved,
-                                       dict(zip(self.roles, grads.real_parts(s))), scratch)
+            elif action == "weight_grad":
+                if need_dw:
+                    self.step_weight_grads(s, dy, x, shards, slots, saved,
+                                           dict(zip(self.roles, grads.real_parts(s))), scratch)
+                del scratches[j]  # the step is done
             elif action == "pass" and need_dw:
                 grads.pass_on(j, event.tag)
         return dx, grads.result(self.grad_scale) if need_dw else None
