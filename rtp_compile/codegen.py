@@ -19,7 +19,9 @@ from torch import nn
 from rtp_compile.op_rules import Combine
 from rtp_compile.passes.context import Context
 from rtp_compile.passes.rotate import gathered_op, gathered_small
-from rtp_compile.passes.schedule import LabellingTracer, unit_autograd, unit_combine, unit_step
+from rtp_compile.passes.schedule import (LabellingTracer, bucket_params, unit_autograd,
+                                         unit_combine, unit_step)
+from rtp_compile.runtime.bucket import BucketRuntime
 from rtp_compile.runtime.events import forward_shard
 from rtp_compile.runtime.fused import LINEAR, FusedBlockRuntime, head_groups, sub_roles
 from rtp_compile.runtime.ring import BufferBroadcast, JobCheck
@@ -64,6 +66,7 @@ class RankEmitter:
         self.device, self.broadcast_buffers = device, broadcast_buffers
         self.units = {u.name: u for u in self.plan.units}
         self.saved: dict[str, dict[int, list[fx.Node]]] = {}  # fused unit -> shard -> heads
+        self.buckets: dict[str, BucketRuntime] = {}
         self.graph = fx.Graph()
         self.graph._codegen = copy.deepcopy(program_gm.graph._codegen)
         self.tracer = LabellingTracer(self.graph)
@@ -87,6 +90,8 @@ class RankEmitter:
                 env[node] = self._gathered(node, env)
             elif node.op == "call_function" and node.target is gathered_small:
                 env[node] = self._small(node, env)
+            elif node.op == "call_function" and node.target is bucket_params:
+                env[node] = self._bucket(node, env)
             else:
                 env[node] = self.graph.node_copy(node, lambda a: env[a])
                 if node.target is torch.ops.rtp.ring_shift_start.default:
@@ -228,6 +233,9 @@ class RankEmitter:
             self.root[f"rtp_units.{name}"] = RotatedOpRuntime(name, unit.call, unit.mode, layouts,
                                                           *common)
             keep = []
+        bucket = self.ctx.schedules[name].bucket
+        if bucket is not None:  # not a submodule: the bucket's runtime is rtp_buckets.<name>
+            self.root[f"rtp_units.{name}"].__dict__["bucket"] = self.buckets[bucket]
         out = self.graph.call_module(f"rtp_units.{name}", (*[env[a] for a in args], *keep))
         out.meta.update(node.meta)
         return out
@@ -259,5 +267,18 @@ class RankEmitter:
             names, [self.plan.params[p] for p in names], self.rank, self.n, self.group_name,
             self.ctx.schedules[first.name], self.ctx.grad_scale)
         out = self.graph.call_module("rtp_units.small_params", tuple(env[a] for a in node.args))
+        out.meta.update(node.meta)
+        return out
+
+    def _bucket(self, node: fx.Node, env) -> fx.Node:
+        """The bucket's runtime, called on its units' own shards: they pass through it."""
+        name, *params = node.args
+        members = [self.units[m] for m in self.ctx.buckets[name]]
+        layouts = [self.plan.params[p] for u in members for p in u.params.values()]
+        runtime = self.buckets[name] = BucketRuntime(
+            name, [(u.name, len(u.params)) for u in members], layouts, self.rank, self.n,
+            self.group_name, self.ctx.schedules[members[0].name], self.ctx.grad_scale)
+        self.root[f"rtp_buckets.{name}"] = runtime
+        out = self.graph.call_module(f"rtp_buckets.{name}", tuple(env[a] for a in params))
         out.meta.update(node.meta)
         return out

@@ -11,7 +11,7 @@ from rtp_compile.program import RTPProgram
 def transform(model: nn.Module, world_size: int, example_inputs=None, *, example_kwargs=None,
               grad_reduction: str = "mean", fuse: bool = True, fuse_padding: float = 0.02,
               small_param_bytes: int = 65536, max_bytes_in_flight: int | None = None,
-              disable=(), debug: bool = False) -> RTPProgram:
+              bucket_bytes: int = 0, disable=(), debug: bool = False) -> RTPProgram:
     """Compile `model` for `world_size` ranks; needs no process group.
 
     Without example inputs the model is traced with torch.fx (or exported with the
@@ -27,12 +27,15 @@ def transform(model: nn.Module, world_size: int, example_inputs=None, *, example
     `max_bytes_in_flight`: ring message bytes a rank may hold at once in forward; a unit's
     first hop starts during the previous unit's last step where both fit (default: two of the
     largest unit's messages, what one unit holds anyway; 0: no such prefetch).
+    `bucket_bytes`: consecutive rotated and fused units share one ring message per step (a
+    bucket, the `bucket_units` pass) while their weights' full bytes fit; a bucket is held
+    gathered through its forward and backward, as FSDP2 holds a block (default 0: none).
     `disable`: names of optional passes to skip
     (`rtp_compile.passes.PIPELINE`). `debug`: log each pass's graph diff at INFO through
     `logging.getLogger("rtp_compile")` and keep its code before and after in `prog.pass_log`."""
     disable = tuple(disable) + (() if fuse else ("fuse_blocks",))
     options = Options(grad_reduction, fuse_padding, small_param_bytes, max_bytes_in_flight,
-                      disable, debug)
+                      bucket_bytes, disable, debug)
     captured = capture(model, example_inputs, example_kwargs)
     ctx = Context.of(captured, world_size, options)
     return RTPProgram.compile(ctx, captured.gm)

@@ -189,11 +189,11 @@ def buffer_peaks(rank: int, world_size: int, seed: int) -> dict:
             "kinds": sorted(u.kind for u in prog.plan.units)}
 
 
-def no_grad_then_train(rank: int, world_size: int, seed: int) -> dict:
+def no_grad_then_train(rank: int, world_size: int, seed: int, bucket_bytes: int = 0) -> dict:
     """Forward under no_grad and in eval mode leaves every parameter exactly as it was, and the
     next training step still matches DDP."""
     model = build("gpt", seed)
-    prog = rtp_compile.transform(model, world_size)
+    prog = rtp_compile.transform(model, world_size, bucket_bytes=bucket_bytes)
     gm = prog.module(rank)
     before = {n: p.detach().clone() for n, p in gm.named_parameters()}
     x = batch("gpt", seed, rank, 0)
@@ -214,11 +214,13 @@ def no_grad_then_train(rank: int, world_size: int, seed: int) -> dict:
             "no_grad_fn": out_no_grad.grad_fn is None}
 
 
-def accumulate_like_ddp(rank: int, world_size: int, seed: int, reduction: str) -> dict:
+def accumulate_like_ddp(rank: int, world_size: int, seed: int, reduction: str,
+                        bucket_bytes: int = 0) -> dict:
     """Two forward/backward passes before one step, the first loss still alive (an ordinary
     loop keeping last step's loss for logging): gradients accumulate like DDP's."""
     model = build("mlp", seed)
-    prog = rtp_compile.transform(model, world_size, grad_reduction=reduction)
+    prog = rtp_compile.transform(model, world_size, grad_reduction=reduction,
+                                 bucket_bytes=bucket_bytes)
     gm = prog.module(rank)
     ddp = DDP(copy.deepcopy(model))
     kept = []
@@ -384,3 +386,70 @@ def tensor_parallel_matches(rank: int, world_size: int, seed: int) -> float:
     idx = torch.randint(0, config.vocab_size, (2, config.block_size),
                         generator=torch.Generator().manual_seed(seed))
     return rel_err(tp(idx), model(idx))
+
+
+def bucket_parity(rank: int, world_size: int, cases: list, seed: int, steps: int = 2) -> dict:
+    """Per (model, bucket_bytes): its buckets, train_next_to_ddp's errors, and the ring messages
+    one training step sends."""
+    from rtp_compile.runtime import ring
+    results = {}
+    for name, bucket_bytes in cases:
+        model = build(name, seed)
+        prog = rtp_compile.transform(model, world_size, bucket_bytes=bucket_bytes)
+        gm = prog.module(rank)
+        batches = [batch(name, seed, rank, step) for step in range(steps)]
+        errors = train_next_to_ddp(prog, gm, model, batches, seed, lambda m, x: m(x),
+                                   lambda o: o)
+        hops = ring.traffic["hops"]
+        loss_of(gm(batches[0]), seed).backward()
+        results[(name, bucket_bytes)] = {"buckets": prog.ctx.buckets, "errors": errors,
+                                         "messages": ring.traffic["hops"] - hops}
+    return results
+
+
+def two_forwards_then_backward(rank: int, world_size: int, seed: int) -> dict:
+    """Two forwards of a bucketed program, then one backward of both losses (microbatches
+    summed before backward): each forward keeps its own bucket state; gradients as DDP's."""
+    model = build("gpt", seed)
+    prog = rtp_compile.transform(model, world_size, bucket_bytes=1 << 40)
+    gm = prog.module(rank)
+    ddp = DDP(copy.deepcopy(model))
+    xs = [batch("gpt", seed, rank, step) for step in range(2)]
+    (loss_of(gm(xs[0]), seed) + loss_of(gm(xs[1]), seed + 1)).backward()
+    (loss_of(ddp(xs[0]), seed) + loss_of(ddp(xs[1]), seed + 1)).backward()
+    return {"buckets": len(prog.ctx.buckets),
+            "grad": grad_errors(gathered_grads(prog, gm),
+                                {n: ddp.module.get_parameter(n).grad for n in prog.plan.params})}
+
+
+def bucket_buffers(rank: int, world_size: int, seed: int) -> dict:
+    """Ring buffers alive forward and backward (measured, as buffer_peaks) for a model whose
+    units form one bucket: forward holds the bucket gathered, backward its weights and its
+    gradient rows.
+    The model's units: a fused block and a rotated linear."""
+    from torch import nn
+
+    from rtp_compile.runtime import ring
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 19), nn.Tanh(),
+                          nn.Linear(19, 3)).double()
+    message = sum(math.prod(p.shape) * 8 for p in model.parameters())  # N shards: padding
+    budget = 2 * message
+    prog = rtp_compile.transform(model, world_size, bucket_bytes=budget)
+    gm = prog.module(rank)
+    (members,) = prog.ctx.buckets.values()
+    bucket = sum(prog.plan.params[p].shard_bytes for u in prog.plan.units
+                 for p in u.params.values())
+    full = {name: math.prod(lay.shape) * 8 for name, lay in prog.plan.params.items()
+            if name.endswith("weight")}
+    x = torch.randn(9, 24, dtype=torch.float64, requires_grad=True)
+    with ShardBufferTracker({bucket}, full, list(gm.parameters())) as tracker:
+        loss = gm(x).pow(2).sum()
+        forward = tracker.peak_bytes
+        tracker.reset()
+        loss.backward()
+        backward = tracker.peak
+    del loss
+    return {"units": (len(members), len(prog.plan.units)), "message": bucket, "budget": budget, "forward_bytes": forward,
+            "backward": backward, "leftover": len(tracker.live()), "pending": len(ring._pending),
+            "pooled": len(ring.pool.buffers)}

@@ -4,6 +4,7 @@ Each pass is `(gm, ctx) -> gm` with one job and the invariant its docstring stat
 after it runs (`passes.pipeline`); `transform(..., disable=[names])` skips optional ones and
 `transform(..., debug=True)` logs and keeps each one's graph diff (`prog.pass_log`).
 """
+from rtp_compile.passes.bucket import bucket_units
 from rtp_compile.passes.fold_parameter_metadata import fold_parameter_metadata
 from rtp_compile.passes.fuse import fuse_blocks
 from rtp_compile.passes.gather_small import gather_small_params
@@ -22,6 +23,7 @@ PIPELINE = [
     fuse_blocks,              # ctx.plan: MLP / attention blocks as one unit where exact
     gather_small_params,      # ctx.plan: norm affines and other tiny units gathered per step
     rotate,                   # weight-bearing ops -> unit markers, bodies into ctx.bodies
+    bucket_units,             # ctx.buckets: consecutive units sharing one message per step
     schedule,                 # markers -> steps and ring hops; backward events into ctx
 ]
 

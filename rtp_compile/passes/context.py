@@ -33,6 +33,9 @@ class Options:
     `max_bytes_in_flight`: the ring messages a rank may hold at once in forward; the schedule
     starts a unit's first hop during the previous unit's last step where both fit (None: two
     of the largest unit's messages, what one unit alone holds; 0: never).
+    `bucket_bytes`: consecutive rotated and fused units share one ring message per step while
+    their weights (full size) fit this many bytes; a bucket is held gathered through its
+    forward and its backward, like an FSDP2 block (0: none).
     `disable`: names of passes to skip (`rtp_compile.passes.PIPELINE`). `debug`: log every
     pass's graph diff at INFO through `logging.getLogger("rtp_compile")` and keep the code
     before and after each pass in `prog.pass_log`."""
@@ -40,6 +43,7 @@ class Options:
     fuse_padding: float = 0.02
     small_param_bytes: int = 65536
     max_bytes_in_flight: int | None = None
+    bucket_bytes: int = 0
     disable: tuple[str, ...] = ()
     debug: bool = False
 
@@ -55,6 +59,10 @@ class Options:
                 not isinstance(self.small_param_bytes, int) or self.small_param_bytes < 0:
             raise ValueError(f"rtp_compile.transform: small_param_bytes must be an int >= 0, "
                              f"got {self.small_param_bytes!r}")
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or \
+                self.bucket_bytes < 0:
+            raise ValueError(f"rtp_compile.transform: bucket_bytes must be an int >= 0, "
+                             f"got {self.bucket_bytes!r}")
         if self.max_bytes_in_flight is not None and (
                 isinstance(self.max_bytes_in_flight, bool) or
                 not isinstance(self.max_bytes_in_flight, int) or self.max_bytes_in_flight < 0):
@@ -73,7 +81,8 @@ class Context:
     `reference` (the captured graph, never rewritten: the cost model profiles it and every
     world size's program starts from it). Passes: `plan` (plan_sharding, fuse_blocks),
     `bodies` (rotate: the graph a fused or gathered unit runs), `schedules` (schedule: each
-    unit's message tags and backward events), `pass_log` (the runner: what each pass changed).
+    unit's message tags and backward events), `buckets` (bucket_units: name -> the units that
+    share its messages), `pass_log` (the runner: what each pass changed).
     Later passes add their fields here (device mesh, dtypes, buckets)."""
     world_size: int
     options: Options
@@ -86,6 +95,7 @@ class Context:
     plan: Plan | None = None
     bodies: dict[str, fx.GraphModule] = field(default_factory=dict, repr=False)
     schedules: dict[str, UnitSchedule] = field(default_factory=dict, repr=False)
+    buckets: dict[str, tuple[str, ...]] = field(default_factory=dict)
     pass_log: list[PassRecord] = field(default_factory=list, repr=False)
 
     @classmethod
@@ -99,7 +109,7 @@ class Context:
     def for_world_size(self, world_size: int) -> "Context":
         """The same capture and options, for another number of ranks, before any pass."""
         return replace(self, world_size=check_world_size(world_size, "for_world_size"),
-                       plan=None, bodies={}, schedules={}, pass_log=[])
+                       plan=None, bodies={}, schedules={}, buckets={}, pass_log=[])
 
     def fresh_graph(self) -> fx.GraphModule:
         """A copy of the captured graph for the passes to rewrite (parameters shared)."""

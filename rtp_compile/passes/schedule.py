@@ -21,6 +21,7 @@ receives; every unit has its schedule; parameters are read only by the nodes of 
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,30 @@ def backward_schedule(world_size: int, fetch_tag: int | None = None,
     return events + [Event("receive_grad", own), Event("weight_grad", own)]
 
 
+def bucket_backward_schedule(world_size: int, fetch_tag: int | None = None) -> list[Event]:
+    """The backward of a unit in a bucket: its own shard's step first (dx part and gradient)
+    while the bucket's first weight hop flies, then steps j = 0..N-2 on the fetched weights
+    (fetch_start / fetch_wait drive the bucket's hops: the first unit to run does them, the
+    others find them done); each step's gradient goes into the bucket's rows, which the bucket
+    reduce-scatters after its last unit (`done`)."""
+    n, own = world_size, world_size - 1
+    events = [Event("fetch_start", 0, fetch_tag), Event("input_grad", own),
+              Event("weight_grad", own)]
+    for j in range(n - 1):
+        events.append(Event("fetch_wait", j))
+        if j + 1 < n - 1:
+            events.append(Event("fetch_start", j + 1, fetch_tag))
+        events += [Event("input_grad", j), Event("weight_grad", j)]
+    return events + [Event("done", own)]
+
+
+def bucket_params(name: str, *own):
+    """Marker: bucket `name`'s parameters pass through its runtime before its units read them
+    (its backward reduce-scatters the bucket's gradients, `runtime.bucket`)."""
+    raise RuntimeError(f"bucket {name!r} belongs to the rank-generic program: run "
+                       "prog.module(rank)")
+
+
 def unit_step(name: str, step: int, x, *held_then_externals):
     """Marker of forward step `step` of unit `name`; codegen traces the step for the shard the
     rank holds then."""
@@ -114,65 +139,126 @@ def _message(specs, tag: int) -> dict:
 
 @dataclass
 class Expanded:
-    """Where a unit's forward steps lie: its first hop (the own shards' reads and detaches and
-    the start), its last step, and the bytes of its message."""
+    """Where a unit's (or bucket's) forward steps lie: its first hop (the own shards' reads and
+    detaches and the start), its last step, and the bytes of its message."""
     first_hop: list[fx.Node]
     last_step: fx.Node
     message_bytes: int
 
 
-def _expand(graph: fx.Graph, marker: fx.Node, unit, layouts, n: int, tag: int) -> Expanded:
-    """Unit `unit`'s forward steps before `marker`, which they replace."""
-    name, x, *rest = marker.args
-    params, externals = rest[:len(unit.params)], rest[len(unit.params):]
-    roles = list(unit.params)
-    specs = [(lay.shard_shape, lay.dtype) for lay in layouts]
-    tracer = LabellingTracer(graph)
-    create = tracer.create_node
-    with graph.inserting_before(marker):
-        tracer.label = {"unit": name, "step": 0, "action": "detach"}
-        x_in = create("call_method", "detach", (x,), {}, name=f"{name}_in")
-        held = [create("call_method", "detach", (p,), {}, name=f"{name}_{r.replace('.', '_')}0")
-                for p, r in zip(params, roles)]
-        received, parts = None, []
-        for event in forward_schedule(n):
-            k = event.step
-            tracer.label = {"unit": name, "step": k, "action": event.action}
-            if event.action == "start":
-                tracer.label.update(_message(specs, tag))
-                received = create("call_function", torch.ops.rtp.ring_shift_start.default,
-                                  (held, "", 1, tag, f"{name} step {k}"), {},
-                                  name=f"{name}_recv{k}")
-                if k == 1:
-                    received_first = received
-            elif event.action == "wait":
-                create("call_function", torch.ops.rtp.ring_wait.default, (received,), {},
-                       name=f"{name}_wait{k}")
-                if k == n - 1:  # the unit's last hop: no buffer waits idle through compute
-                    create("call_function", torch.ops.rtp.ring_release.default, (), {},
-                           name=f"{name}_release")
-                views = ring.unpack(fx.Proxy(received, tracer), specs)
-                for view, r in zip(views, roles):
-                    view.node._rename(f"{name}_{r.replace('.', '_')}{k}")
-                held = [view.node for view in views]
-            else:
-                parts.append(create("call_function", unit_step, (name, k, x_in, *held,
-                                                                 *externals), {},
-                                    name=f"{name}_y{k}"))
-        tracer.label = {"unit": name, "step": n - 1, "action": "combine"}
-        y = create("call_function", unit_combine, (name, parts), {}, name=f"{name}_out")
-        tracer.label = {"unit": name, "step": None, "action": unit.kind}
-        link = create("call_function", unit_autograd, (name, y, x, *params, *externals), {},
-                      name=name)
+@dataclass
+class _Member:
+    """One unit of what `_expand` writes: its marker's arguments, split."""
+    marker: fx.Node
+    unit: object
+    x: fx.Node
+    params: list
+    externals: list
+    specs: list
+
+    @classmethod
+    def of(cls, marker, unit, plan):
+        name, x, *rest = marker.args
+        k = len(unit.params)
+        specs = [(plan.params[p].shard_shape, plan.params[p].dtype) for p in unit.params.values()]
+        return cls(marker, unit, x, list(rest[:k]), list(rest[k:]), specs)
+
+    def label(self, r: str, k: int) -> str:
+        return f"{self.unit.name}_{r.replace('.', '_')}{k}"
+
+
+def _finish(graph, tracer, member: _Member, x_in, parts: list[fx.Node]) -> None:
+    """After a unit's steps `parts`: their combine and the autograd link, in place of the
+    unit's marker (call inside `graph.inserting_before(member.marker)`)."""
+    create, name = tracer.create_node, member.unit.name
+    tracer.label = {"unit": name, "step": len(parts) - 1, "action": "combine"}
+    y = create("call_function", unit_combine, (name, parts), {}, name=f"{name}_out")
+    tracer.label = {"unit": name, "step": None, "action": member.unit.kind}
+    link = create("call_function", unit_autograd,
+                  (name, y, member.x, *member.params, *member.externals), {}, name=name)
     for node in (*parts, y, link):
         node.meta["is_wrapped"] = True  # fx records a marker as a call when re-tracing (pickle)
-    link.meta.update({k: v for k, v in marker.meta.items() if k != "rtp"})
-    marker.replace_all_uses_with(link)
-    graph.erase_node(marker)
-    own = [d for d in link.graph.nodes if d.meta.get("rtp", {}).get("unit") == name
-           and d.meta["rtp"]["action"] == "detach" and d.args[0] in params]
-    first = [*params, *own, *([received_first] if n > 1 else [])]
-    return Expanded(first, parts[-1], _message(specs, tag)["bytes"])
+    link.meta.update({k: v for k, v in member.marker.meta.items() if k != "rtp"})
+    member.marker.replace_all_uses_with(link)
+    graph.erase_node(member.marker)
+
+
+def _step(tracer, member: _Member, k: int, x_in, held: list[fx.Node]) -> fx.Node:
+    name = member.unit.name
+    tracer.label = {"unit": name, "step": k, "action": "compute"}
+    return tracer.create_node("call_function", unit_step,
+                              (name, k, x_in, *held, *member.externals), {}, name=f"{name}_y{k}")
+
+
+def _expand(graph: fx.Graph, members: list[_Member], n: int, tag: int,
+            bucket: str | None = None) -> Expanded:
+    """The forward steps of one unit, or of a bucket's units, before their markers (which they
+    replace). A bucket's parameters first pass through `bucket_params`; its first unit's steps
+    carry the hops of every unit's shards, the later units compute from what arrived."""
+    tracer = LabellingTracer(graph)
+    create = tracer.create_node
+    lead, hop = members[0], bucket or members[0].unit.name
+    specs = [s for m in members for s in m.specs]
+    message = _message(specs, tag)
+    with graph.inserting_before(lead.marker):
+        first = [p for m in members for p in m.params]
+        if bucket is not None:
+            tracer.label = {"unit": lead.unit.name, "step": 0, "action": "bucket",
+                            "bucket": bucket}
+            through = create("call_function", bucket_params, (bucket, *first), {},
+                             name=f"{bucket}_params")
+            for read in first:  # the later units' parameter reads move up to it
+                through.prepend(read)
+            first.append(through)
+            index = iter(range(len(specs)))
+            for m in members:
+                m.params = [create("call_function", operator.getitem, (through, next(index)),
+                                   {}, name=m.label(r, "_param")) for r in m.unit.params]
+                first += m.params
+        arrived: dict[int, dict[str, list[fx.Node]]] = {0: {}}
+        for m in members:
+            tracer.label = {"unit": m.unit.name, "step": 0, "action": "detach"}
+            arrived[0][m.unit.name] = [create("call_method", "detach", (p,), {},
+                                              name=m.label(r, 0))
+                                       for p, r in zip(m.params, m.unit.params)]
+            first += arrived[0][m.unit.name]
+        held = [d for m in members for d in arrived[0][m.unit.name]]
+        tracer.label = {"unit": lead.unit.name, "step": 0, "action": "detach"}
+        x_in = create("call_method", "detach", (lead.x,), {}, name=f"{lead.unit.name}_in")
+        parts = []
+        for event in forward_schedule(n):  # the lead unit: start(k+1), compute(k), wait(k+1)
+            k = event.step
+            tracer.label = {"unit": lead.unit.name, "step": k, "action": event.action}
+            if event.action == "start":
+                tracer.label.update(message, **({"bucket": bucket} if bucket else {}))
+                received = create("call_function", torch.ops.rtp.ring_shift_start.default,
+                                  (held, "", 1, tag, f"{hop} step {k}"), {},
+                                  name=f"{hop}_recv{k}")
+                if k == 1:
+                    first.append(received)
+            elif event.action == "wait":
+                create("call_function", torch.ops.rtp.ring_wait.default, (received,), {},
+                       name=f"{hop}_wait{k}")
+                if k == n - 1:  # the last hop: no buffer waits idle through compute
+                    create("call_function", torch.ops.rtp.ring_release.default, (), {},
+                           name=f"{hop}_release")
+                held = [v.node for v in ring.unpack(fx.Proxy(received, tracer), specs)]
+                arrived[k], at = {}, 0
+                for m in members:
+                    arrived[k][m.unit.name] = held[at:at + len(m.specs)]
+                    for view, r in zip(arrived[k][m.unit.name], m.unit.params):
+                        view._rename(m.label(r, k))
+                    at += len(m.specs)
+            else:
+                parts.append(_step(tracer, lead, k, x_in, arrived[k][lead.unit.name]))
+        _finish(graph, tracer, lead, x_in, parts)
+    for m in members[1:]:  # compute from what arrived during the lead unit's steps
+        with graph.inserting_before(m.marker):
+            tracer.label = {"unit": m.unit.name, "step": 0, "action": "detach"}
+            m_in = create("call_method", "detach", (m.x,), {}, name=f"{m.unit.name}_in")
+            parts = [_step(tracer, m, k, m_in, arrived[k][m.unit.name]) for k in range(n)]
+            _finish(graph, tracer, m, m_in, parts)
+    return Expanded(first, parts[-1], message["bytes"])
 
 
 def prefetch(current: Expanded, following: Expanded, budget: int) -> None:
@@ -197,39 +283,56 @@ def _check(gm: fx.GraphModule, ctx) -> None:
         if label and label["step"] is not None:
             steps.setdefault(label["unit"], {}).setdefault((label["step"], label["action"]), i)
     n = ctx.world_size
+    lead_of = {m: members[0] for members in ctx.buckets.values() for m in members}
     for u in ctx.plan.units:
         if u.name not in ctx.schedules:
             raise InvariantError(f"unit {u.name} has no schedule")
         if u.kind in ("gather", "small"):
             continue
-        at = steps.get(u.name, {})
+        at, hops = steps.get(u.name, {}), steps.get(lead_of.get(u.name, u.name), {})
+        follower = lead_of.get(u.name, u.name) != u.name  # computes from its bucket's hops
         for k in range(n - 1):
-            start, compute = at.get((k + 1, "start")), at.get((k, "compute"))
-            wait, following = at.get((k + 1, "wait")), at.get((k + 1, "compute"))
-            if None in (start, compute, wait, following) or \
-                    not start < compute < wait < following:
+            start, compute = hops.get((k + 1, "start")), at.get((k, "compute"))
+            wait, following = hops.get((k + 1, "wait")), at.get((k + 1, "compute"))
+            if follower:
+                ok = None not in (wait, following) and wait < following and \
+                    (k + 1, "start") not in at
+            else:
+                ok = None not in (start, compute, wait, following) and \
+                    start < compute < wait < following
+            if not ok:
                 raise InvariantError(f"unit {u.name}: hop {k + 1} is not started before step "
                                      f"{k} computes and waited on before step {k + 1}")
 
 
 @graph_pass(check=_check, required=True)
 def schedule(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    """Write every unit's forward steps and hops into the graph, its tags and backward events
-    into `ctx.schedules`."""
+    """Write every unit's (and bucket's) forward steps and hops into the graph, its tags and
+    backward events into `ctx.schedules`."""
     n, plan = ctx.world_size, ctx.plan
     markers = {node.args[0]: node for node in gm.graph.nodes
                if node.target in (rotated_op, fused_block)}
-    expanded = []
-    for i, unit in enumerate(plan.units):
-        tags = dict(forward_tag=3 * i, fetch_tag=3 * i + 1, grad_tag=3 * i + 2)
+    tags = {u.name: dict(forward_tag=3 * i, fetch_tag=3 * i + 1, grad_tag=3 * i + 2)
+            for i, u in enumerate(plan.units)}
+    for unit in plan.units:
         if unit.kind in ("gather", "small"):  # they run their own ring all-gather
-            ctx.schedules[unit.name] = UnitSchedule(**tags)
-            continue
-        layouts = [plan.params[p] for p in unit.params.values()]
-        expanded.append(_expand(gm.graph, markers[unit.name], unit, layouts, n,
-                                tags["forward_tag"]))
-        ctx.schedules[unit.name] = UnitSchedule(
-            **tags, backward=tuple(backward_schedule(n, tags["fetch_tag"], tags["grad_tag"])))
+            ctx.schedules[unit.name] = UnitSchedule(**tags[unit.name])
+    bucket_of = {members[0]: (name, members) for name, members in ctx.buckets.items()}
+    in_bucket = {m for members in ctx.buckets.values() for m in members}
+    units = {u.name: u for u in plan.units}
+    expanded = []
+    for name in [node.args[0] for node in markers.values()]:  # graph order
+        if name in in_bucket and name not in bucket_of:
+            continue  # written with its bucket's first unit
+        bucket, members = bucket_of.get(name, (None, (name,)))
+        lead = tags[members[0]]
+        expanded.append(_expand(gm.graph, [_Member.of(markers[m], units[m], plan)
+                                           for m in members], n, lead["forward_tag"], bucket))
+        for m in members:
+            backward = bucket_backward_schedule(n, lead["fetch_tag"]) if bucket else \
+                backward_schedule(n, lead["fetch_tag"], lead["grad_tag"])
+            ctx.schedules[m] = UnitSchedule(**(lead if bucket else tags[m]),
+                                            backward=tuple(backward), bucket=bucket)
     if n > 1 and expanded:
         budget = ctx.options.max_bytes_in_flight
         if budget is None:  # what one unit alone holds: two of the largest messages

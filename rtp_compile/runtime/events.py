@@ -22,11 +22,13 @@ class Event:
 class UnitSchedule:
     """The schedule of one unit: the tags of its three message streams (forward weights or
     gathers, backward weight fetches, gradient accumulators), and its backward events in the
-    order the runtime executes them (`passes.schedule.backward_schedule`)."""
+    order the runtime executes them (`passes.schedule.backward_schedule`); `bucket`: the name
+    of the unit's bucket (its tags are then the bucket's), if it is in one."""
     forward_tag: int
     fetch_tag: int
     grad_tag: int
     backward: tuple[Event, ...] = ()
+    bucket: str | None = None
 
 
 def forward_shard(rank: int, step: int, world_size: int) -> int:

@@ -60,6 +60,7 @@ class _UnitGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, unit, y, x, *tensors):
         ctx.unit = unit
+        ctx.bucket = unit.bucket.current if unit.bucket is not None else None
         _save(ctx, (x, *tensors))  # a fused block's externals may be sizes, not tensors
         return y
 
@@ -70,7 +71,7 @@ class _UnitGrad(torch.autograd.Function):
         own, saved = [p.detach() for p in rest[:n_own]], rest[n_own:]
         needs = ctx.needs_input_grad
         own_needs = needs[3:3 + n_own]
-        dx, grads = ctx.unit.backward(dy, x, own, saved, needs[2], any(own_needs))
+        dx, grads = ctx.unit.backward(dy, x, own, saved, needs[2], any(own_needs), ctx.bucket)
         grads = grads or [None] * len(own)
         return (None, None, dx, *[g if need else None for g, need in zip(grads, own_needs)],
                 *[None] * len(saved))
@@ -78,8 +79,10 @@ class _UnitGrad(torch.autograd.Function):
 
 class UnitRuntime(nn.Module):
     """Runtime of one unit on one rank: executes the backward events its schedule hands it
-    (weights re-fetched from rank+1, gradient accumulators passed to rank-1); subclasses say
-    what one step computes."""
+    (weights re-fetched from rank+1, gradient accumulators passed to rank-1; in a bucket, both
+    through the bucket's state, `runtime.bucket`); subclasses say what one step computes."""
+
+    bucket = None  # the BucketRuntime of the unit's bucket, if it is in one
 
     def __init__(self, name, roles, layouts, rank, world_size, group_name,
                  schedule: UnitSchedule, grad_scale):
@@ -106,38 +109,102 @@ class UnitRuntime(nn.Module):
         """This rank's gradient of each shard's real part, added into `into[role]`."""
         raise NotImplementedError
 
-    def backward(self, dy, x, own, saved, need_dx: bool, need_dw: bool):
-        """dx and this rank's (averaged) shard gradients, by the unit's backward events."""
+    def backward(self, dy, x, own, saved, need_dx: bool, need_dw: bool, bucket=None):
+        """dx and this rank's (averaged) shard gradients, by the unit's backward events; in a
+        bucket (`bucket`: the forward's BucketState) the gradients go into the bucket's rows
+        and the unit returns none."""
         n, where = self.world_size, f"{self.unit_name} backward"
         dx = torch.zeros_like(x) if need_dx else None
-        grads = GradientRing(self.layouts, self.group_name, where, own[0]) if need_dw else None
-        held, incoming, scratches = own, None, {}
+        if bucket is not None:
+            fetch = _BucketFetch(bucket, self.unit_name)
+            grads = _BucketGrads(bucket, self.unit_name) if need_dw else None
+        else:
+            fetch = _UnitFetch(own, self.group_name, where)
+            grads = GradientRing(self.layouts, self.group_name, where, own[0]) if need_dw \
+                else None
+        scratches = {}
         for event in self.schedule.backward:
             j, action = event.step, event.action
             scratch = scratches.setdefault(j, {})
             s = backward_shard(self.rank, j, n)
             slots = {r: lay.slot(s) for r, lay in zip(self.roles, self.layouts)}
-            shards = dict(zip(self.roles, own if j == n - 1 else held))  # last step: own shard
             if action == "fetch_start":
-                incoming = ring.shift_start(held, self.group_name, -1, event.tag,
-                                            f"{where}: weight hop {j}")
+                fetch.start(j, event.tag)
             elif action == "fetch_wait":
-                ring.wait(incoming)
-                held = ring.unpack(incoming, ring.specs_of(own))
+                fetch.wait(j)
             elif action == "release":
                 ring.pool.release()
+            elif action == "done":
+                fetch.done()
             elif action == "input_grad":
+                shards = dict(zip(self.roles, own if j == n - 1 else fetch.held(j)))
                 self.step_input_grad(s, dy, x, shards, slots, saved, dx, scratch)
             elif action == "receive_grad" and need_dw:
                 grads.receive()
             elif action == "weight_grad":
                 if need_dw:
+                    shards = dict(zip(self.roles, own if j == n - 1 else fetch.held(j)))
                     self.step_weight_grads(s, dy, x, shards, slots, saved,
                                            dict(zip(self.roles, grads.real_parts(s))), scratch)
                 del scratches[j]  # the step is done
             elif action == "pass" and need_dw:
                 grads.pass_on(j, event.tag)
         return dx, grads.result(self.grad_scale) if need_dw else None
+
+
+class _UnitFetch:
+    """A unit's own weight fetches: each hop sends on what the one before brought."""
+
+    def __init__(self, own, group_name, where):
+        self.own, self.group_name, self.where = own, group_name, where
+        self.current, self.incoming = own, None
+
+    def start(self, step, tag):
+        self.incoming = ring.shift_start(self.current, self.group_name, -1, tag,
+                                         f"{self.where}: weight hop {step}")
+
+    def wait(self, step):
+        ring.wait(self.incoming)
+        self.current = ring.unpack(self.incoming, ring.specs_of(self.own))
+
+    def held(self, step):
+        return self.current
+
+    def done(self):
+        pass
+
+
+class _BucketFetch:
+    """The weight fetches of a unit in a bucket: the bucket's, done once for all its units."""
+
+    def __init__(self, state, unit):
+        self.state, self.unit = state, unit
+
+    def start(self, step, tag):
+        self.state.fetch_start(step, tag)
+
+    def wait(self, step):
+        self.state.fetch_wait(step)
+
+    def held(self, step):
+        return self.state.held(self.unit, step)
+
+    def done(self):
+        self.state.unit_done(self.unit)
+
+
+class _BucketGrads:
+    """A unit's gradients in a bucket: added into the bucket's rows, returned by its
+    reduce-scatter, not by the unit."""
+
+    def __init__(self, state, unit):
+        self.state, self.unit = state, unit
+
+    def real_parts(self, shard):
+        return self.state.grad_parts(self.unit, shard)
+
+    def result(self, scale):
+        return None
 
 
 class RotatedOpRuntime(UnitRuntime):

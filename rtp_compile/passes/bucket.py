@@ -1,0 +1,88 @@
+"""Consecutive units -> buckets whose shards travel in one ring message per step.
+
+Every rotated or fused unit sends its own messages: N - 1 forward, N - 1 backward weight
+fetches and N - 1 gradient accumulators, whatever its size; on a CPU ring each message costs a
+fixed few hundred microseconds. A bucket packs the shards of consecutive units (graph order;
+small and gathered units, which travel their own way, do not break a run) into one message
+per step: its first unit's steps carry the hops, the later units compute from what arrived.
+Since a unit needs the whole output of the one before, a later unit's shards must be kept from
+the step they arrive until it runs: a bucket is held gathered through its forward and its
+backward (its weights and its gradients, as FSDP2 holds a block's), and its gradients are
+reduce-scattered in one message per hop after its last unit's backward (the schedule pass
+writes the steps, `runtime.bucket` runs them).
+
+`ctx.options.bucket_bytes` bounds what a bucket holds gathered: N times its message, i.e. the
+full bytes of its weights, padding included (0: no buckets, every unit its own messages).
+
+Invariant: every bucket has at least two units, each a rotated or fused unit in at most one
+bucket; a bucket's units follow each other in the graph with no other rotated or fused unit
+between; no parameter is read by two units of a bucket (it would travel twice); a bucket's
+parameters have one dtype (its gradient rows add as one flat tensor); a bucket holds at most
+`bucket_bytes`.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from rtp_compile.passes.pipeline import InvariantError, graph_pass
+from rtp_compile.passes.rotate import fused_block, rotated_op
+
+
+def bucket_message_bytes(plan, units) -> int:
+    """The bytes of one step's message of these units' shards."""
+    return sum(plan.params[p].shard_bytes for u in units for p in u.params.values())
+
+
+def _dtypes(plan, units) -> set:
+    return {plan.params[p].dtype for u in units for p in u.params.values()}
+
+
+def rotating_units_in_order(gm: fx.GraphModule, ctx) -> list:
+    """The rotated and fused units of the plan in the order their markers run."""
+    units = {u.name: u for u in ctx.plan.units}
+    return [units[n.args[0]] for n in gm.graph.nodes if n.target in (rotated_op, fused_block)]
+
+
+def _check(gm: fx.GraphModule, ctx) -> None:
+    order = [u.name for u in rotating_units_in_order(gm, ctx)]
+    units = {u.name: u for u in ctx.plan.units}
+    seen: set[str] = set()
+    for name, members in ctx.buckets.items():
+        if len(members) < 2 or seen & set(members):
+            raise InvariantError(f"bucket {name}: {members} (fewer than two, or shared units)")
+        seen |= set(members)
+        at = order.index(members[0])
+        if list(order[at:at + len(members)]) != list(members):
+            raise InvariantError(f"bucket {name}: {members} do not follow each other")
+        params = [p for m in members for p in units[m].params.values()]
+        if len(set(params)) != len(params):
+            raise InvariantError(f"bucket {name}: a parameter is read by two of its units")
+        if len(_dtypes(ctx.plan, [units[m] for m in members])) != 1:
+            raise InvariantError(f"bucket {name}: its parameters' dtypes differ")
+        held = ctx.world_size * bucket_message_bytes(ctx.plan, [units[m] for m in members])
+        if held > ctx.options.bucket_bytes:
+            raise InvariantError(f"bucket {name} holds {held} bytes, over bucket_bytes "
+                                 f"{ctx.options.bucket_bytes}")
+
+
+@graph_pass(check=_check)
+def bucket_units(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Group consecutive rotated and fused units, greedily in graph order, into
+    `ctx.buckets` (name -> unit names) while what a bucket holds fits `bucket_bytes` (and
+    its parameters share a dtype and are distinct)."""
+    budget, n = ctx.options.bucket_bytes, ctx.world_size
+    ctx.buckets = {}
+    if n == 1 or budget == 0:
+        return gm
+    runs: list[list] = [[]]
+    for unit in rotating_units_in_order(gm, ctx):
+        current = runs[-1]
+        shared = {p for u in current for p in u.params.values()} & set(unit.params.values())
+        if current and (shared or len(_dtypes(ctx.plan, [*current, unit])) > 1 or
+                        n * bucket_message_bytes(ctx.plan, [*current, unit]) > budget):
+            runs.append([])
+        runs[-1].append(unit)
+    for run in runs:
+        if len(run) > 1:
+            ctx.buckets[f"{run[0].name}_bucket"] = tuple(u.name for u in run)
+    return gm
