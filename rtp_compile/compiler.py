@@ -11,7 +11,7 @@ from rtp_compile.program import RTPProgram
 def transform(model: nn.Module, world_size: int, example_inputs=None, *, example_kwargs=None,
               grad_reduction: str = "mean", fuse: bool = True, fuse_padding: float = 0.02,
               small_param_bytes: int = 65536, max_bytes_in_flight: int | None = None,
-              bucket_bytes: int = 0, disable=(), debug: bool = False) -> RTPProgram:
+              bucket_bytes: int | None = None, disable=(), debug: bool = False) -> RTPProgram:
     """Compile `model` for `world_size` ranks; needs no process group.
 
     Without example inputs the model is traced with torch.fx (or exported with the

@@ -135,7 +135,7 @@ class RTPProgram:
         a `Cost` with param/grad/optimizer/transient/activation/peak/traffic bytes and their
         sympy expressions in N and A. `dtype`: the parameters' dtype if not theirs."""
         return rtp_cost(self.plan, self.profile(batch_size, seq_len, example_kwargs),
-                        optimizer, dtype)
+                        optimizer, dtype, tuple(self.ctx.buckets.values()))
 
     def profile(self, batch_size: int, seq_len: int | None = None,
                 example_kwargs: dict | None = None):

@@ -166,7 +166,7 @@ def buffer_peaks(rank: int, world_size: int, seed: int) -> dict:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 19), nn.Tanh(),
                           nn.Linear(19, 3)).double()
-    prog = rtp_compile.transform(model, world_size)
+    prog = rtp_compile.transform(model, world_size, bucket_bytes=0)  # units' own messages
     gm = prog.module(rank)
     messages = {sum(prog.plan.params[p].shard_bytes for p in u.params.values())
                 for u in prog.plan.units}

@@ -18,13 +18,15 @@ def test_bench_smoke_run_measures_every_kind(tmp_path):
     by_kind = {r["kind"]: r for r in rows}
     assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_mb"] > 0 for r in rows)
     model = TinyGPT(PRESETS["tiny"][0]).float()  # as the ranks build it (float32)
-    plan = rtp_compile.transform(model, 2).plan
+    prog = rtp_compile.transform(model, 2)
+    plan, buckets = prog.plan, prog.ctx.buckets
     rtp = by_kind["rtp"]
     rotating = [u for u in plan.units if u.kind != "small"]
+    alone = [u for u in rotating if not any(u.name in b for b in buckets.values())]
     small = {p for u in plan.units if u.kind == "small" for p in u.params.values()}
-    # every rotating unit: forward, weight fetch, gradient (N - 1 each); the small parameters
-    # together: one all-gather, one reduce-scatter
-    assert small and rtp["messages"] == 3 * len(rotating) + 2
+    # every bucket and rotating unit outside one: forward, weight fetch, gradient (N - 1
+    # each); the small parameters together: one all-gather, one reduce-scatter
+    assert buckets and small and rtp["messages"] == 3 * (len(alone) + len(buckets)) + 2
     messages = sum(plan.params[p].shard_bytes for u in rotating for p in u.params.values())
     small_bytes = sum(plan.params[p].shard_bytes for p in small)
     assert rtp["sent_mb"] * 1e6 == pytest.approx(3 * messages + 2 * small_bytes)  # tied: twice

@@ -23,24 +23,34 @@ def unit_events(gm):
     return events
 
 
+@pytest.mark.parametrize("bucket_bytes", [0, None])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("model", ["mlp", "gpt", "conv"])
-def test_sends_start_before_the_step_they_overlap_and_wait_before_the_next(model, world_size):
-    prog = rtp_compile.transform(build(model, 0), world_size)
+def test_sends_start_before_the_step_they_overlap_and_wait_before_the_next(model, world_size,
+                                                                          bucket_bytes):
+    """A unit in a bucket has no hops of its own: its step k + 1 comes after the wait for the
+    hop that brought it, in the bucket's first unit."""
+    prog = rtp_compile.transform(build(model, 0), world_size, bucket_bytes=bucket_bytes)
+    lead_of = {m: members[0] for members in prog.ctx.buckets.values() for m in members}
     for rank in range(world_size):
         events = unit_events(prog.module(rank))
         assert set(events) == {u.name for u in prog.plan.units if u.kind in ("rotate", "fused")}
         for unit, evs in events.items():
-            where = lambda step, action: [i for i, s, a in evs if s == step and a == action]
+            hops = events[lead_of.get(unit, unit)]
+            where = lambda evs, step, action: [i for i, s, a in evs if s == step and a == action]
             for k in range(world_size):
-                compute_k = where(k, "compute")
+                compute_k = where(evs, k, "compute")
                 if k + 1 < world_size:
-                    (start,), wait = where(k + 1, "start"), min(where(k + 1, "wait"))
-                    if compute_k:  # an all-padding shard computes nothing
+                    (start,), wait = where(hops, k + 1, "start"), min(where(hops, k + 1, "wait"))
+                    if compute_k and lead_of.get(unit, unit) == unit:  # all-padding: no compute
                         assert start < min(compute_k), f"{unit} rank {rank}: start {k + 1}"
                         assert wait > max(compute_k), f"{unit} rank {rank}: wait {k + 1}"
-                    later = where(k + 1, "compute")
+                    if lead_of.get(unit, unit) != unit:
+                        assert not where(evs, k + 1, "start"), f"{unit}: a hop of its own"
+                    later = where(evs, k + 1, "compute")
                     assert not later or wait < min(later), f"{unit} rank {rank}: step {k + 1}"
+    if bucket_bytes is None and world_size == 2 and model == "gpt":
+        assert prog.ctx.buckets  # the default does bucket this model
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])

@@ -105,11 +105,11 @@ def _curve(profile: Profile, grad_of: dict[str, sympy.Expr], buffers_at: dict[in
     return sympy.Max(*curve) if len(curve) > 1 else curve[0]
 
 
-def _buffers_at(profile: Profile, units: list[tuple[list[str], sympy.Expr]]) -> dict:
-    """Point -> the largest buffers of a unit whose parameters are read there."""
+def _buffers_at(units: list[tuple[set[int], sympy.Expr]]) -> dict:
+    """Point -> the largest buffers of a unit (or bucket) held at that point."""
     at: dict[int, list] = {}
-    for names, buffers in units:
-        for point in {p for n in names for p in profile.uses.get(n, [])}:
+    for points, buffers in units:
+        for point in points:
             at.setdefault(point, []).append(buffers)
     return {p: sympy.Max(*b) if len(b) > 1 else b[0] for p, b in at.items()}
 
@@ -127,17 +127,24 @@ def _state(param_exprs: dict[str, sympy.Expr], n_params: int, optimizer: str):
     return params, params, states * params + steps
 
 
-def rtp_cost(plan, profile: Profile, optimizer: str = "adamw", dtype=None) -> Cost:
+def rtp_cost(plan, profile: Profile, optimizer: str = "adamw", dtype=None,
+             buckets=()) -> Cost:
     """RTP: every parameter, gradient and optimizer state is a 1/N shard. A rotated unit has
     its flat messages in flight (2 forward: held + incoming; 4 backward: weights and gradient
     accumulators, held + incoming); a gathered op its full tensors. Every unit sends
     3 (N - 1) messages a step (forward, backward weights, gradient accumulators); the small
-    units together 2 (N - 1) (one all-gather, one reduce-scatter), held whole."""
+    units together 2 (N - 1) (one all-gather, one reduce-scatter), held whole. A bucket
+    (`buckets`: tuples of unit names) sends 3 (N - 1) messages of all its units' shards and
+    holds, from its first unit's parameter read to its last, the messages that arrived
+    (max(2, N - 1) with the outgoing one) forward, those and its N gradient rows backward."""
     element = {n: (dtype or lay.dtype).itemsize for n, lay in plan.params.items()}
     shard = {n: _layout_expr(lay, element[n]) for n, lay in plan.params.items()}
     params, grads, opt = _state(shard, len(plan.params), optimizer)
     ring = sympy.Min(N - 1, 1)  # one rank has no ring: nothing in flight
     forward_units, backward_units, traffic = [], [], sympy.Integer(0)
+
+    def read_at(names) -> set[int]:
+        return {p for n in names for p in profile.uses.get(n, [])}
 
     def message_of(names):
         message = sympy.Add(*[shard[n] for n in names])
@@ -151,27 +158,38 @@ def rtp_cost(plan, profile: Profile, optimizer: str = "adamw", dtype=None) -> Co
         message = message_of(small)
         traffic += 2 * (N - 1) * message
         full = sum(math.prod(plan.params[n].shape) * element[n] for n in small)
-        forward_units.append((small, full + 2 * ring * message))
-        backward_units.append((small, 2 * full + 2 * ring * message))
+        forward_units.append((read_at(small), full + 2 * ring * message))
+        backward_units.append((read_at(small), 2 * full + 2 * ring * message))
+    units = {u.name: u for u in plan.units}
+    bucketed = {m for members in buckets for m in members}
+    for members in buckets:
+        names = [p for m in members for p in units[m].params.values()]
+        message = message_of(names)
+        traffic += 3 * (N - 1) * message
+        uses = read_at(names)
+        span = set(range(min(uses), max(uses) + 1)) if uses else set()
+        arrived = ring * sympy.Max(2, N - 1) * message
+        forward_units.append((span, arrived))
+        backward_units.append((span, arrived + ring * N * message))
     for unit in plan.units:
-        if unit.kind == "small":
+        if unit.kind == "small" or unit.name in bucketed:
             continue
         names = list(unit.params.values())
         message = message_of(names)
         traffic += 3 * (N - 1) * message
         if unit.kind == "gather":
             full = sum(math.prod(plan.params[n].shape) * element[n] for n in names)
-            forward_units.append((names, full + 2 * ring * message))
-            backward_units.append((names, 2 * full + 2 * ring * message))  # weights + grads
+            forward_units.append((read_at(names), full + 2 * ring * message))
+            backward_units.append((read_at(names), 2 * full + 2 * ring * message))  # + grads
         else:
-            forward_units.append((names, 2 * ring * message))
-            backward_units.append((names, 4 * ring * message))
+            forward_units.append((read_at(names), 2 * ring * message))
+            backward_units.append((read_at(names), 4 * ring * message))
     transient = sympy.Max(*[b for _, b in backward_units]) if backward_units else sympy.Integer(0)
     largest_shard = sympy.Max(*shard.values()) if shard else sympy.Integer(0)
     exprs = {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": opt,
              "transient_bytes": transient, "activation_bytes": A, "traffic_bytes": traffic}
-    forward = _curve(profile, shard, _buffers_at(profile, forward_units), backward=False)
-    backward = _curve(profile, shard, _buffers_at(profile, backward_units), backward=True) \
+    forward = _curve(profile, shard, _buffers_at(forward_units), backward=False)
+    backward = _curve(profile, shard, _buffers_at(backward_units), backward=True) \
         + profile.output_bytes  # the output's gradient
     step = grads + 2 * largest_shard  # single-tensor AdamW: two shard-sized temporaries
     exprs["peak_bytes"] = params + opt + sympy.Max(forward, backward, step)
@@ -211,17 +229,20 @@ def fsdp_cost(params: dict[str, torch.Tensor], profile: Profile, world_size: int
     sizes = [sympy.Integer(sum(params[n].numel() * element[n] for n in names)) for names in blocks]
     root = ring * sum((size for names, size in zip(blocks, sizes) if names is blocks[-1]),
                       sympy.Integer(0))  # the root stays unsharded from forward to backward
+    def read_at(names) -> set[int]:
+        return {p for n in names for p in profile.uses.get(n, [])}
+
     for names, full in zip(blocks[:-1], sizes):
-        forward_units.append((names, root + 2 * ring * full))   # this block + the prefetched one
-        backward_units.append((names, root + 3 * ring * full))  # + its unsharded gradients
-    forward_units.append((blocks[-1], root))
-    backward_units.append((blocks[-1], 2 * root))
+        forward_units.append((read_at(names), root + 2 * ring * full))  # + the prefetched one
+        backward_units.append((read_at(names), root + 3 * ring * full))  # + unsharded grads
+    forward_units.append((read_at(blocks[-1]), root))
+    backward_units.append((read_at(blocks[-1]), 2 * root))
     total = sympy.Integer(sum(p.numel() * element[n] for n, p in params.items()))
     exprs = {"param_bytes": p_bytes, "grad_bytes": grads, "optimizer_bytes": opt,
              "transient_bytes": sympy.Max(*[b for _, b in backward_units]),
              "activation_bytes": A, "traffic_bytes": 3 * (N - 1) / N * total}
-    forward = _curve(profile, shard, _buffers_at(profile, forward_units), backward=False)
-    backward = _curve(profile, shard, _buffers_at(profile, backward_units), backward=True) \
+    forward = _curve(profile, shard, _buffers_at(forward_units), backward=False)
+    backward = _curve(profile, shard, _buffers_at(backward_units), backward=True) \
         + profile.output_bytes
     step = grads + 2 * sympy.Max(*shard.values())
     exprs["peak_bytes"] = p_bytes + opt + sympy.Max(forward, backward, step)

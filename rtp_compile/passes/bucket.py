@@ -16,7 +16,9 @@ full bytes of its weights, padding included (0: no buckets, every unit its own m
 
 Invariant: every bucket has at least two units, each a rotated or fused unit in at most one
 bucket; a bucket's units follow each other in the graph with no other rotated or fused unit
-between; no parameter is read by two units of a bucket (it would travel twice); a bucket's
+between; no unit of a bucket reads a parameter that another unit reads too (a tied weight
+would travel twice, or its gradient, added into the other unit's, would keep the bucket's
+whole gradient message alive); a bucket's
 parameters have one dtype (its gradient rows add as one flat tensor); a bucket holds at most
 `bucket_bytes`.
 """
@@ -33,6 +35,15 @@ def bucket_message_bytes(plan, units) -> int:
     return sum(plan.params[p].shard_bytes for u in units for p in u.params.values())
 
 
+def _tied(plan) -> set[str]:
+    """The units that read a parameter some other unit reads too."""
+    readers: dict[str, list[str]] = {}
+    for u in plan.units:
+        for p in set(u.params.values()):
+            readers.setdefault(p, []).append(u.name)
+    return {u for names in readers.values() if len(names) > 1 for u in names}
+
+
 def _dtypes(plan, units) -> set:
     return {plan.params[p].dtype for u in units for p in u.params.values()}
 
@@ -43,8 +54,17 @@ def rotating_units_in_order(gm: fx.GraphModule, ctx) -> list:
     return [units[n.args[0]] for n in gm.graph.nodes if n.target in (rotated_op, fused_block)]
 
 
+def bucket_budget(ctx, units) -> int:
+    """`bucket_bytes`, or by default what the largest unit holds gathered (N times its
+    message): no bucket holds more than its largest unit would whole."""
+    if ctx.options.bucket_bytes is not None:
+        return ctx.options.bucket_bytes
+    return ctx.world_size * max((bucket_message_bytes(ctx.plan, [u]) for u in units), default=0)
+
+
 def _check(gm: fx.GraphModule, ctx) -> None:
-    order = [u.name for u in rotating_units_in_order(gm, ctx)]
+    rotating = rotating_units_in_order(gm, ctx)
+    order, budget = [u.name for u in rotating], bucket_budget(ctx, rotating)
     units = {u.name: u for u in ctx.plan.units}
     seen: set[str] = set()
     for name, members in ctx.buckets.items():
@@ -54,31 +74,33 @@ def _check(gm: fx.GraphModule, ctx) -> None:
         at = order.index(members[0])
         if list(order[at:at + len(members)]) != list(members):
             raise InvariantError(f"bucket {name}: {members} do not follow each other")
-        params = [p for m in members for p in units[m].params.values()]
-        if len(set(params)) != len(params):
-            raise InvariantError(f"bucket {name}: a parameter is read by two of its units")
+        if set(members) & _tied(ctx.plan):
+            raise InvariantError(f"bucket {name}: a unit reads a parameter another unit reads")
         if len(_dtypes(ctx.plan, [units[m] for m in members])) != 1:
             raise InvariantError(f"bucket {name}: its parameters' dtypes differ")
         held = ctx.world_size * bucket_message_bytes(ctx.plan, [units[m] for m in members])
-        if held > ctx.options.bucket_bytes:
-            raise InvariantError(f"bucket {name} holds {held} bytes, over bucket_bytes "
-                                 f"{ctx.options.bucket_bytes}")
+        if held > budget:
+            raise InvariantError(f"bucket {name} holds {held} bytes, over bucket_bytes {budget}")
 
 
 @graph_pass(check=_check)
 def bucket_units(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Group consecutive rotated and fused units, greedily in graph order, into
-    `ctx.buckets` (name -> unit names) while what a bucket holds fits `bucket_bytes` (and
-    its parameters share a dtype and are distinct)."""
-    budget, n = ctx.options.bucket_bytes, ctx.world_size
+    `ctx.buckets` (name -> unit names) while what a bucket holds fits `bucket_bytes` and
+    its parameters share a dtype; units of tied weights stay alone."""
+    n, units = ctx.world_size, rotating_units_in_order(gm, ctx)
+    budget = bucket_budget(ctx, units)
     ctx.buckets = {}
     if n == 1 or budget == 0:
         return gm
     runs: list[list] = [[]]
-    for unit in rotating_units_in_order(gm, ctx):
+    tied = _tied(ctx.plan)
+    for unit in units:
         current = runs[-1]
-        shared = {p for u in current for p in u.params.values()} & set(unit.params.values())
-        if current and (shared or len(_dtypes(ctx.plan, [*current, unit])) > 1 or
+        if unit.name in tied:
+            runs += [[unit], []]
+            continue
+        if current and (len(_dtypes(ctx.plan, [*current, unit])) > 1 or
                         n * bucket_message_bytes(ctx.plan, [*current, unit]) > budget):
             runs.append([])
         runs[-1].append(unit)

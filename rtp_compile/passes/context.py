@@ -43,7 +43,7 @@ class Options:
     fuse_padding: float = 0.02
     small_param_bytes: int = 65536
     max_bytes_in_flight: int | None = None
-    bucket_bytes: int = 0
+    bucket_bytes: int | None = None
     disable: tuple[str, ...] = ()
     debug: bool = False
 
@@ -59,9 +59,10 @@ class Options:
                 not isinstance(self.small_param_bytes, int) or self.small_param_bytes < 0:
             raise ValueError(f"rtp_compile.transform: small_param_bytes must be an int >= 0, "
                              f"got {self.small_param_bytes!r}")
-        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or \
-                self.bucket_bytes < 0:
-            raise ValueError(f"rtp_compile.transform: bucket_bytes must be an int >= 0, "
+        if self.bucket_bytes is not None and (
+                isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or
+                self.bucket_bytes < 0):
+            raise ValueError(f"rtp_compile.transform: bucket_bytes must be None or an int >= 0, "
                              f"got {self.bucket_bytes!r}")
         if self.max_bytes_in_flight is not None and (
                 isinstance(self.max_bytes_in_flight, bool) or

@@ -88,7 +88,10 @@ class BucketState:
             acc = incoming.add_(rows[backward_shard(rank, j, n)])
         if rt.grad_scale != 1:
             acc.mul_(rt.grad_scale)
-        return ring.unpack(acc, rt.specs)
+        # each gradient its own tensor: autograd keeps some of a message's views as .grad and
+        # copies others (measured: the bucket's first units' copied), and one view kept would
+        # hold the whole message alive besides the copies
+        return [g.clone() for g in ring.unpack(acc, rt.specs)]
 
 
 class _BucketParams(torch.autograd.Function):
