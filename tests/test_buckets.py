@@ -36,7 +36,7 @@ def test_buckets_train_like_ddp_and_send_one_message_per_step(world_size, seed):
             for what, err in r["errors"].items():
                 assert err <= 1e-9, f"rank {rank} {name} {budget}: {what} rel. error {err:.2e}"
             assert r["messages"] == expected_messages(prog), (rank, name, budget, r)
-            unbucketed = rtp_compile.transform(build(name, seed), world_size)
+            unbucketed = rtp_compile.transform(build(name, seed), world_size, bucket_bytes=0)
             assert r["messages"] < expected_messages(unbucketed)
 
 
@@ -66,7 +66,15 @@ def test_bucketed_accumulation_no_grad_and_two_forwards_match_ddp(seed):
 
 def test_buckets_follow_the_budget_dtype_and_ties():
     model = build("gpt", 0)
-    assert rtp_compile.transform(model, 3).ctx.buckets == {}  # off by default
+    default = rtp_compile.transform(model, 3)  # on by default: within the largest unit gathered
+    largest = max(3 * sum(default.plan.params[p].shard_bytes for p in u.params.values())
+                  for u in default.plan.units if u.kind in ("rotate", "fused"))
+    assert default.ctx.buckets
+    for members in default.ctx.buckets.values():
+        assert 3 * sum(default.plan.params[p].shard_bytes for m in members
+                       for p in {u.name: u for u in default.plan.units}[m].params.values()) \
+            <= largest
+    assert rtp_compile.transform(model, 3, bucket_bytes=0).ctx.buckets == {}
     assert rtp_compile.transform(model, 1, bucket_bytes=ALL).ctx.buckets == {}
     prog = rtp_compile.transform(model, 3, bucket_bytes=ALL)
     units = {u.name: u for u in prog.plan.units}
@@ -78,7 +86,7 @@ def test_buckets_follow_the_budget_dtype_and_ties():
         assert 3 * sum(small.plan.params[p].shard_bytes for m in members
                        for p in units[m].params.values()) <= 6000
     assert len(small.ctx.buckets) > len(prog.ctx.buckets)
-    with pytest.raises(ValueError, match="bucket_bytes must be an int >= 0"):
+    with pytest.raises(ValueError, match="bucket_bytes must be None or an int >= 0"):
         rtp_compile.transform(model, 2, bucket_bytes=-1)
 
 

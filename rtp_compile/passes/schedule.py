@@ -207,6 +207,7 @@ def _expand(graph: fx.Graph, members: list[_Member], n: int, tag: int,
                             "bucket": bucket}
             through = create("call_function", bucket_params, (bucket, *first), {},
                              name=f"{bucket}_params")
+            through.meta["is_wrapped"] = True  # a call when fx re-traces it (pickle)
             for read in first:  # the later units' parameter reads move up to it
                 through.prepend(read)
             first.append(through)

@@ -122,9 +122,10 @@ class UnitRuntime(nn.Module):
             fetch = _UnitFetch(own, self.group_name, where)
             grads = GradientRing(self.layouts, self.group_name, where, own[0]) if need_dw \
                 else None
-        scratches = {}
+        scratches, shards = {}, None
         for event in self.schedule.backward:
             j, action = event.step, event.action
+            shards = None  # a step's views go when it is done: the pool reuses their buffer
             scratch = scratches.setdefault(j, {})
             s = backward_shard(self.rank, j, n)
             slots = {r: lay.slot(s) for r, lay in zip(self.roles, self.layouts)}
