@@ -35,7 +35,10 @@ def test_debug_logs_and_keeps_each_pass_diff(caplog):
     assert log["plan_sharding"].added == log["plan_sharding"].removed == []  # plan only
     hops = log["schedule"].changed_ops()["call_function:rtp.ring_shift_start.default"]
     units = [u for u in prog.plan.units if u.kind in ("rotate", "fused")]
-    assert hops == (0, len(units))  # N - 1 = 1 forward hop per unit
+    bucketed = sum(len(members) for members in prog.ctx.buckets.values())
+    assert prog.ctx.buckets and bucketed <= len(units)
+    # N - 1 = 1 forward hop per unit alone and per bucket
+    assert hops == (0, len(units) - bucketed + len(prog.ctx.buckets))
     assert "ring_shift_start" in log["schedule"].diff() and "+" in log["rotate"].diff()
     quiet = rtp_compile.transform(build("gpt", 0), 2)
     assert quiet.pass_log[-1].code_before is None and "debug=True" in quiet.pass_log[-1].diff()
@@ -65,9 +68,7 @@ def test_required_or_unknown_passes_cannot_be_disabled():
 
 @pytest.mark.timeout(600)
 def test_each_optional_pass_disabled_in_turn_keeps_parity(seed):
-    # bucket_units makes no bucket by default (bucket_bytes=0): its parity is test_buckets.py
-    cases = [(name, "fx", p) for p in OPTIONAL if p != "bucket_units"
-             for name in ("mlp", "gpt", "conv")] + \
+    cases = [(name, "fx", p) for p in OPTIONAL for name in ("mlp", "gpt", "conv")] + \
         [("attention", "export", p) for p in ("split_norm_affine", "fuse_blocks",
                                               "gather_small_params")]
     results = rtp_compile.launch(parity_without, 2, args=(cases, seed), timeout=400)

@@ -148,20 +148,26 @@ class Expanded:
 
 @dataclass
 class _Member:
-    """One unit of what `_expand` writes: its marker's arguments, split."""
+    """One unit of what `_expand` writes: its marker's arguments, split. Its input and
+    externals are read from the marker when used: an earlier unit of its bucket, finished
+    first, may have replaced the node that computes them."""
     marker: fx.Node
     unit: object
-    x: fx.Node
     params: list
-    externals: list
     specs: list
 
     @classmethod
     def of(cls, marker, unit, plan):
-        name, x, *rest = marker.args
-        k = len(unit.params)
         specs = [(plan.params[p].shard_shape, plan.params[p].dtype) for p in unit.params.values()]
-        return cls(marker, unit, x, list(rest[:k]), list(rest[k:]), specs)
+        return cls(marker, unit, list(marker.args[2:2 + len(unit.params)]), specs)
+
+    @property
+    def x(self) -> fx.Node:
+        return self.marker.args[1]
+
+    @property
+    def externals(self) -> list:
+        return list(self.marker.args[2 + len(self.unit.params):])
 
     def label(self, r: str, k: int) -> str:
         return f"{self.unit.name}_{r.replace('.', '_')}{k}"
