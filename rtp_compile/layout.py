@@ -7,6 +7,7 @@ the shard tensor is always `length` long there, only its first `valid` entries a
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ class ParamLayout:
     def extent(self) -> int:
         return math.prod(self.shape) if self.dim is None else self.shape[self.dim]
 
-    @property
+    @functools.cached_property  # fixed per layout, read on every hop
     def shard_len(self) -> int:
         """ceil(granules / N) whole granules: with granule 1, ceil(extent / N)."""
         return max(1, math.ceil(self.extent // self.granule / self.world_size) * self.granule)

@@ -91,6 +91,8 @@ class UnitRuntime(nn.Module):
         self.rank, self.world_size, self.group_name = rank, world_size, group_name
         self.schedule, self.grad_scale = schedule, grad_scale
         self.shapes = {r: lay.shape for r, lay in zip(self.roles, layouts)}
+        self.slots = [{r: lay.slot(s) for r, lay in zip(self.roles, layouts)}
+                      for s in range(world_size)]  # per shard: where each role's part lies
 
     def forward(self, y, x, *tensors):
         """y: the combined step outputs (computed outside autograd); then this rank's own
@@ -128,7 +130,7 @@ class UnitRuntime(nn.Module):
             shards = None  # a step's views go when it is done: the pool reuses their buffer
             scratch = scratches.setdefault(j, {})
             s = backward_shard(self.rank, j, n)
-            slots = {r: lay.slot(s) for r, lay in zip(self.roles, self.layouts)}
+            slots = self.slots[s]
             if action == "fetch_start":
                 fetch.start(j, event.tag)
             elif action == "fetch_wait":
