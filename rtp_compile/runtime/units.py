@@ -12,6 +12,8 @@ gradient.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -312,7 +314,8 @@ class GatheredOpRuntime(nn.Module):
     def __init__(self, name, body, param_names, layouts, rank, world_size, group_name,
                  schedule: UnitSchedule, grad_scale, reason):
         super().__init__()
-        self.unit_name, self.body, self.param_names = name, body, list(param_names)
+        self.unit_name, self.param_names = name, list(param_names)
+        self.body, self.fills = _without_parameters(body, self.param_names)
         self.layouts, self.rank, self.world_size = layouts, rank, world_size
         self.group_name, self.schedule = group_name, schedule
         self.grad_scale, self.reason = grad_scale, reason
@@ -325,8 +328,9 @@ class GatheredOpRuntime(nn.Module):
                                self.group_name, self.schedule.forward_tag, self.unit_name)
 
     def run(self, inputs, full):
-        return torch.func.functional_call(self.body, dict(zip(self.param_names, full)),
-                                          tuple(inputs), strict=False)
+        tensors = {name: t for names, t in zip(self.fills, full) for name in names}
+        return torch.func.functional_call(self.body, tensors, tuple(inputs), strict=False,
+                                          tie_weights=False)
 
     def reduce_scatter(self, full_grads):
         return ring_reduce_scatter(full_grads, self.layouts, self.rank, self.world_size,
@@ -338,6 +342,22 @@ class GatheredOpRuntime(nn.Module):
         if not torch.is_grad_enabled():
             return self.run(tensors[:n_inputs], self.gather(tensors[n_inputs:]))
         return _GatherGrad.apply(self, n_inputs, *tensors)
+
+
+def _without_parameters(body: nn.Module, param_names: list[str]):
+    """A copy of `body` that registers no parameter (its placeholders would otherwise show in
+    the rank module's `parameters()`), and for each of `param_names` every name under which the
+    body reads that parameter (a tied one: several)."""
+    body = copy.deepcopy(body)  # the program's body serves every rank's module
+    held = dict(body.named_parameters(remove_duplicate=False))
+    names_of: dict[int, list[str]] = {}
+    for name, p in held.items():
+        names_of.setdefault(id(p), []).append(name)
+    fills = [names_of[id(held[n])] if n in held else [n] for n in param_names]
+    for name in held:
+        owner, _, leaf = name.rpartition(".")
+        del body.get_submodule(owner)._parameters[leaf]
+    return body, fills
 
 
 class _SmallGather(torch.autograd.Function):
