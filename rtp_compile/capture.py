@@ -30,6 +30,7 @@ class Captured:
     aliases: dict[str, list[str]] = field(default_factory=dict)  # canonical -> every name
     state_keys: list[str] = field(default_factory=list)          # the model's state_dict keys
     model: nn.Module | None = field(default=None, repr=False)    # what was captured (meta init)
+    examples: tuple = field(default=(None, None), repr=False)   # (example_inputs, _kwargs) given
 
 
 def parameter_names(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
@@ -59,7 +60,8 @@ def capture(model: nn.Module, example_inputs=None, example_kwargs=None) -> Captu
         gm, level = _export(model, example_inputs, example_kwargs, "the given example inputs"), \
             "aten"
     _canonicalise_parameter_reads(gm, aliases)
-    return Captured(gm, level, params, aliases, list(model.state_dict().keys()), model=model)
+    return Captured(gm, level, params, aliases, list(model.state_dict().keys()), model=model,
+                    examples=(example_inputs, example_kwargs))
 
 
 def _named_inputs(model: nn.Module) -> list[str]:

@@ -164,7 +164,7 @@ class RankEmitter:
         proxy = lambda a: fx.Proxy(env[a], self.tracer)  # noqa: E731
         x_p, held = proxy(x), {r: proxy(h) for r, h in zip(roles, rest[:len(roles)])}
         slots = {r: lay.slot(s) for r, lay in zip(roles, layouts)}
-        # labels from the arguments: a program that travelled by pickle has lost node.meta
+        # labels from the arguments, not node.meta (which an fx re-trace of the graph drops)
         self.tracer.label = {"unit": name, "step": k, "action": "compute"}
         if unit.kind == "fused":
             out = self._fused_step(unit, s, x_p, held, slots, shapes,

@@ -28,14 +28,22 @@ def transform(model: nn.Module, world_size: int, example_inputs=None, *, example
     first hop starts during the previous unit's last step where both fit (default: two of the
     largest unit's messages, what one unit holds anyway; 0: no such prefetch).
     `bucket_bytes`: consecutive rotated and fused units share one ring message per step (a
-    bucket, the `bucket_units` pass) while their weights' full bytes fit; a bucket is held
-    gathered through its forward and backward, as FSDP2 holds a block (default 0: none).
+    bucket, the `bucket_units` pass) while their weights' full bytes fit in it; a bucket's
+    later units keep what passes until they compute, as FSDP2 holds a block (default None:
+    what the bucket's largest unit would hold gathered; 0: no buckets).
     `disable`: names of optional passes to skip
     (`rtp_compile.passes.PIPELINE`). `debug`: log each pass's graph diff at INFO through
     `logging.getLogger("rtp_compile")` and keep its code before and after in `prog.pass_log`."""
     disable = tuple(disable) + (() if fuse else ("fuse_blocks",))
     options = Options(grad_reduction, fuse_padding, small_param_bytes, max_bytes_in_flight,
                       bucket_bytes, disable, debug)
+    return compile_program(model, world_size, example_inputs, example_kwargs, options)
+
+
+def compile_program(model: nn.Module, world_size: int, example_inputs, example_kwargs,
+                    options: Options) -> RTPProgram:
+    """Capture `model` and run the pass pipeline: `transform` once its options are checked, and
+    what an unpickled program runs again (`RTPProgram.__reduce__`)."""
     captured = capture(model, example_inputs, example_kwargs)
     ctx = Context.of(captured, world_size, options)
     return RTPProgram.compile(ctx, captured.gm)

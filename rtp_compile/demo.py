@@ -83,8 +83,7 @@ def _rank_job(rank: int, world_size: int, model: nn.Module, steps: int, seed: in
               track_memory: bool) -> dict:
     """Runs on each rank: train the RTP program and a DDP replica side by side."""
     ddp = DistributedDataParallel(copy.deepcopy(model))
-    # An RTPProgram does not survive pickling (fx re-traces its rank-generic graph), so every
-    # rank compiles the same model itself.
+    # Every rank compiles the same model itself (what a pickled program does too).
     prog = transform(model, world_size)
     gm = prog.module(rank)
     rtp_opt = torch.optim.AdamW(gm.parameters(), lr=LR)

@@ -34,6 +34,14 @@ class RTPProgram:
         graph), rewriting it, and make the program."""
         return cls(ctx, compile_graph(gm if gm is not None else ctx.fresh_graph(), ctx))
 
+    def __reduce__(self):
+        """A program travels (pickle, `launch`) as what made it: the model, the world size, the
+        example inputs and the options; unpickling compiles it again, the same way, where it
+        lands (a captured graph need not pickle: torch.export's guard module does not)."""
+        from rtp_compile.compiler import compile_program  # the facade imports this module
+        ctx = self.ctx
+        return compile_program, (ctx.model, ctx.world_size, *ctx.examples, ctx.options)
+
     @property
     def plan(self) -> Plan:
         return self.ctx.plan

@@ -315,6 +315,19 @@ def hf_parity(rank: int, world_size: int, names: list[str], seed: int, steps: in
     return results
 
 
+def travelled_program_parity(rank: int, world_size: int, prog, model, name: str,
+                             seed: int) -> dict:
+    """hf_parity() for a program compiled by the parent and passed to `launch` with its model
+    (README's local pattern); also what the program is here (plan, code)."""
+    from hf_zoo import hf_batch, logits_of
+    batches = [hf_batch(name, seed, rank, step) for step in range(2)]
+    gm = prog.module(rank)
+    errors = train_next_to_ddp(prog, gm, model, batches, seed,
+                               lambda m, inputs: m(**inputs), logits_of)
+    return {"errors": errors, "plan": str(prog.plan), "code": prog.graph_module.code,
+            "same_model": prog.ctx.model is model}
+
+
 def buffers_like_ddp(rank: int, world_size: int, seed: int, broadcast: bool) -> dict:
     """BatchNorm running statistics after two training steps, against DDP with the same
     broadcast_buffers setting (and the output of an eval-mode forward)."""

@@ -11,7 +11,8 @@ import pytest
 pytest.importorskip("transformers")
 
 import rtp_compile  # noqa: E402
-from jobs import hf_parity  # noqa: E402
+from hf_zoo import build_hf  # noqa: E402
+from jobs import hf_parity, travelled_program_parity  # noqa: E402
 
 FLOAT64 = ["gpt2", "bert", "t5", "vit", "torch_encoder"]
 FLOAT32_NORMS = ["llama", "mixtral"]
@@ -43,3 +44,19 @@ def test_real_models_match_unsharded_and_ddp(world_size, seed):
                 assert "fuse_padding allows 2%" in report, report
             got, expected = per_model[(name, "type")]
             assert got == expected, f"{name}: output structure {got}, model gives {expected}"
+
+
+@pytest.mark.timeout(600)
+def test_an_exported_program_travels_to_the_ranks(seed):
+    # README's local pattern with a program torch.export captured: launch pickles it as its
+    # model, world size, examples and options, and each rank compiles it again
+    model = build_hf("gpt2", seed)
+    prog = rtp_compile.transform(model, 2)
+    assert prog.ctx.level == "aten"
+    results = rtp_compile.launch(travelled_program_parity, 2,
+                                 args=(prog, model, "gpt2", seed), timeout=500)
+    for rank, r in enumerate(results):
+        assert r["same_model"] and r["plan"] == str(prog.plan), rank
+        assert r["code"] == prog.graph_module.code, rank
+        for what, err in r["errors"].items():
+            assert err <= 1e-9, f"rank {rank}: {what} rel. error {err:.2e}"

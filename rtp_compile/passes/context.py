@@ -78,7 +78,8 @@ class Context:
 
     Capture: `level` ("function": torch.fx, "aten": torch.export), `params` (canonical name ->
     the model's parameter), `aliases` (canonical name -> every name of it, tied weights),
-    `state_keys` (the model's state_dict keys), `model` (what was captured, for meta init) and
+    `state_keys` (the model's state_dict keys), `model` (what was captured, for meta init),
+    `examples` (the example inputs and kwargs it was captured with, or None) and
     `reference` (the captured graph, never rewritten: the cost model profiles it and every
     world size's program starts from it). Passes: `plan` (plan_sharding, fuse_blocks),
     `bodies` (rotate: the graph a fused or gathered unit runs), `schedules` (schedule: each
@@ -93,6 +94,7 @@ class Context:
     state_keys: list[str]
     reference: fx.GraphModule
     model: nn.Module | None = field(default=None, repr=False)
+    examples: tuple = field(default=(None, None), repr=False)
     plan: Plan | None = None
     bodies: dict[str, fx.GraphModule] = field(default_factory=dict, repr=False)
     schedules: dict[str, UnitSchedule] = field(default_factory=dict, repr=False)
@@ -105,7 +107,7 @@ class Context:
         reference = fx.GraphModule(captured.gm, copy.deepcopy(captured.gm.graph))
         return cls(check_world_size(world_size, "rtp_compile.transform"), options,
                    captured.level, captured.params, captured.aliases, captured.state_keys,
-                   reference, captured.model)
+                   reference, captured.model, captured.examples)
 
     def for_world_size(self, world_size: int) -> "Context":
         """The same capture and options, for another number of ranks, before any pass."""
