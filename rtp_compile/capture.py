@@ -124,6 +124,51 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
             for name, value in bound.items()}
 
 
+def _sizes_of_one_doubled(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The example inputs with every dim of size 1 doubled (each tensor concatenated with
+    itself there), or None when no dim is 1."""
+    grown = False
+
+    def grow(value):
+        nonlocal grown
+        if isinstance(value, torch.Tensor) and 1 in value.shape:
+            grown = True
+            for d, size in enumerate(value.shape):
+                if size == 1:
+                    value = torch.cat([value, value], dim=d)
+        return value
+
+    is_leaf = lambda v: isinstance(v, torch.Tensor)  # noqa: E731
+    out = (torch.utils._pytree.tree_map(grow, args, is_leaf=is_leaf),
+           torch.utils._pytree.tree_map(grow, kwargs, is_leaf=is_leaf))
+    return out if grown else None
+
+
+def _same_outputs(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> bool:
+    """Whether the graph captured from other sizes gives the model's outputs on the example
+    itself (same random state for both; False where a meta tensor leaves nothing to compare)."""
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers(),
+                               *[v for v in leaves if isinstance(v, torch.Tensor)])):
+        return False
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(0)
+        expected = torch.utils._pytree.tree_leaves(model(*args, **kwargs))
+        torch.manual_seed(0)
+        got = torch.utils._pytree.tree_leaves(gm(*args, **kwargs))
+    return len(expected) == len(got) and all(map(_close, expected, got))
+
+
+def _close(a, b) -> bool:
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return type(a) is type(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+    return torch.equal(a, b)
+
+
 def _export(model: nn.Module, args, kwargs, source: str) -> fx.GraphModule:
     from torch.export import export
 
@@ -136,6 +181,14 @@ def _export(model: nn.Module, args, kwargs, source: str) -> fx.GraphModule:
         except TypeError as err:
             raise CaptureError(f"rtp_compile: {source} do not fit "
                                f"{type(model).__name__}.forward: {err}") from err
+        grown = _sizes_of_one_doubled(args, kwargs)
+        if grown is not None:  # export fixes a size it sees as 1: trace at 2, check at 1
+            try:
+                gm = export(model, *grown, strict=False, dynamic_shapes=dynamic).module()
+                if _same_outputs(model, gm, args, kwargs):
+                    return gm
+            except Exception:
+                pass  # the model needs those sizes to be 1: capture them fixed, as given
         for dynamic_shapes in (dynamic, None):  # sizes free where the model allows, else fixed
             try:
                 return export(model, args, kwargs, strict=False,

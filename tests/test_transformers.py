@@ -10,6 +10,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import torch  # noqa: E402
+
 import rtp_compile  # noqa: E402
 from hf_zoo import build_hf  # noqa: E402
 from jobs import hf_parity, travelled_program_parity  # noqa: E402
@@ -60,3 +62,31 @@ def test_an_exported_program_travels_to_the_ranks(seed):
         assert r["code"] == prog.graph_module.code, rank
         for what, err in r["errors"].items():
             assert err <= 1e-9, f"rank {rank}: {what} rel. error {err:.2e}"
+
+
+class SqueezesAxisOne(torch.nn.Module):
+    """Needs its middle size to be 1 (squeeze), so a size-1 example must stay fixed there."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 5)
+
+    def forward(self, x):
+        return self.proj(x.squeeze(1))
+
+
+def test_an_example_of_size_one_fixes_no_size(seed):
+    # export fixes a size it sees as 1: the example's batch (or length) of 1 must not become the
+    # only batch the program takes
+    torch.manual_seed(seed)
+    model = build_hf("gpt2", seed)
+    prog = rtp_compile.transform(model, 1, example_inputs=(torch.randint(0, 50, (1, 16)),))
+    gm = prog.module(0)
+    for shape in [(1, 16), (3, 16), (3, 7), (2, 1), (1, 1)]:
+        ids = torch.randint(0, 50, shape)
+        assert torch.allclose(gm(ids).logits, model(ids).logits, atol=1e-6), shape
+    # where the model needs the 1 (squeeze), the capture keeps it and the example still runs
+    squeezing = SqueezesAxisOne()
+    x = torch.randn(4, 1, 6)
+    gm = rtp_compile.transform(squeezing, 1, example_inputs=(x,)).module(0)
+    assert torch.allclose(gm(x), squeezing(x)) and gm(x).shape == (4, 5)
