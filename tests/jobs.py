@@ -487,3 +487,29 @@ def trained_state(rank: int, world_size: int, names: list[str], seed: int,
                      "grads": {n: p.grad.clone() for n, p in gm.named_parameters()
                                if p.grad is not None}}
     return out
+
+
+def die_mid_step(rank: int, world_size: int, where: str, report_dir: str) -> None:
+    """Rank 1 dies (os._exit) in the middle of the forward or of the backward, at a unit's
+    runtime; the other ranks write what they raised, and when, to `report_dir`, and re-raise."""
+    import datetime
+    import os
+    import pathlib
+    import time
+    group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=5))
+    gm = rtp_compile.transform(build("gpt", 0), world_size, bucket_bytes=0).module(
+        rank, group=group)
+    units = [name for name, _ in gm.named_modules() if name.startswith("rtp_units.")]
+    middle = gm.get_submodule(units[len(units) // 2])
+    if rank == 1 and where == "forward":
+        middle.register_forward_pre_hook(lambda *args: os._exit(3))
+    if rank == 1 and where == "backward":
+        middle.register_full_backward_pre_hook(lambda *args: os._exit(4))
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        loss_of(gm(batch("gpt", 0, rank, 0)), 0).backward()
+    except RuntimeError as err:
+        (pathlib.Path(report_dir) / f"rank{rank}.txt").write_text(
+            f"{time.monotonic() - start:.2f}\n{err}")
+        raise

@@ -1,4 +1,6 @@
 """Bad input gets a clear error that names what is wrong and what to do; nothing hangs."""
+import multiprocessing
+import re
 import time
 
 import pytest
@@ -6,7 +8,7 @@ import torch
 from torch import nn
 
 import rtp_compile
-from jobs import run_program_of, stall_one_rank
+from jobs import die_mid_step, run_program_of, stall_one_rank
 from zoo import build
 
 
@@ -95,3 +97,19 @@ def test_a_stalled_rank_makes_the_others_fail_within_the_group_timeout():
         rtp_compile.launch(stall_one_rank, 2, timeout=60)
     assert time.monotonic() - start < 45
     assert err.value.rank == 0 and "ring" in str(err.value)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_rank_dying_mid_step_makes_the_others_fail_naming_peers(where, tmp_path):
+    with pytest.raises(rtp_compile.RankError) as err:
+        rtp_compile.launch(die_mid_step, 3, args=(where, str(tmp_path)), timeout=90)
+    # launch names the rank that failed first, and why
+    assert err.value.rank == 1 and "exit code" in str(err.value), err.value
+    assert multiprocessing.active_children() == []  # no process left behind
+    for rank in (0, 2):  # the survivors raised, within the group's timeout (5 s), naming peers
+        seconds, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        assert float(seconds) < 5 + 10, (rank, seconds)
+        assert f"rank {rank} timed out or failed in the ring" in message, message
+        assert re.search(r"(sending to|receiving from) rank \d", message), message
+        assert re.search(r"Rank \d or \d probably failed", message), message

@@ -25,6 +25,7 @@ class _PendingShift:
     sent: list  # keeps the sent tensors alive until the send completed
     timeout: datetime.timedelta
     where: str
+    peers: tuple[int, int]  # (sends to, receives from): global ranks
 
 
 _pending: dict[int, _PendingShift] = {}
@@ -197,7 +198,7 @@ def shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: i
     traffic["hops"] += 1
     traffic["bytes"] += outgoing.numel() * outgoing.element_size()
     _pending[received.untyped_storage().data_ptr()] = _PendingShift(
-        works, [outgoing], ring.timeout, where)
+        works, [outgoing], ring.timeout, where, (ring.dst, ring.src))
     return received
 
 
@@ -207,15 +208,17 @@ def wait(received: torch.Tensor) -> None:
     if pending is None:
         raise RuntimeError("rtp_compile: ring_wait on buffers with no shift in flight")
     timeout = pending.timeout
+    dst, src = pending.peers
     with labelled(f"rtp.wait {pending.where}"):
-        for work in pending.works:
+        for work, doing in zip(pending.works, (f"sending to rank {dst}",
+                                               f"receiving from rank {src}")):
             try:
                 work.wait(timeout)
             except RuntimeError as err:
                 raise RuntimeError(
                     f"rtp_compile: rank {dist.get_rank()} timed out or failed in the ring "
-                    f"during {pending.where} (timeout {timeout}). A rank of the job probably "
-                    f"failed, left, or runs a different program: {err}") from err
+                    f"during {pending.where}, {doing} (timeout {timeout}). Rank {src} or "
+                    f"{dst} probably failed, left, or runs a different program: {err}") from err
 
 
 @torch.library.custom_op("rtp::ring_shift_start", mutates_args=())
