@@ -24,6 +24,7 @@ from rtp_compile.passes.schedule import (LabellingTracer, bucket_params, unit_au
 from rtp_compile.runtime.bucket import BucketRuntime
 from rtp_compile.runtime.events import forward_shard
 from rtp_compile.runtime.fused import LINEAR, FusedBlockRuntime, head_groups, sub_roles
+from rtp_compile.runtime import ring
 from rtp_compile.runtime.ring import BufferBroadcast, JobCheck
 from rtp_compile.runtime.units import GatheredOpRuntime, RotatedOpRuntime, SmallParamsGather
 
@@ -108,6 +109,8 @@ class RankEmitter:
             if hasattr(self.src, spec):
                 setattr(gm, spec, getattr(self.src, spec))
         gm.graph.lint()
+        # a forward that raises leaves no hop in flight (also when it raised between the two)
+        gm.register_forward_hook(_finish_leftover_hops, always_call=True)
         return gm
 
     def _emit_job_start(self) -> None:
@@ -282,3 +285,7 @@ class RankEmitter:
         out = self.graph.call_module(f"rtp_buckets.{name}", tuple(env[a] for a in params))
         out.meta.update(node.meta)
         return out
+
+
+def _finish_leftover_hops(module, args, output) -> None:
+    ring.finish_leftover_hops()

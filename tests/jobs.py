@@ -513,3 +513,42 @@ def die_mid_step(rank: int, world_size: int, where: str, report_dir: str) -> Non
         (pathlib.Path(report_dir) / f"rank{rank}.txt").write_text(
             f"{time.monotonic() - start:.2f}\n{err}")
         raise
+
+
+def failed_forward_leaves_state(rank: int, world_size: int, seed: int) -> dict:
+    """A forward that raises after its first unit (a batch longer than the position table, on
+    every rank) between two AdamW steps, next to DDP: what it changed, what it left in flight,
+    and the errors of the steps after it against DDP."""
+    from rtp_compile.runtime import ring
+    model = build("gpt", seed)
+    prog = rtp_compile.transform(model, world_size)
+    gm, ddp = prog.module(rank), DDP(copy.deepcopy(model))
+    opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1)
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1)
+
+    def step(module, optimizer, n):
+        loss_of(module(batch("gpt", seed, rank, n)), seed + n).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(gm, opt, 0), step(ddp, ddp_opt, 0)
+    before = ({n: p.detach().clone() for n, p in gm.named_parameters()},
+              {n: p.grad for n, p in gm.named_parameters()}, copy.deepcopy(opt.state_dict()))
+    too_long = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(seed))
+    try:
+        gm(too_long)
+        raised = None
+    except Exception as err:  # noqa: BLE001 - whatever the user's model raises
+        raised = f"{type(err).__name__}: {err}"
+    after = ({n: p.detach().clone() for n, p in gm.named_parameters()},
+             {n: p.grad for n, p in gm.named_parameters()}, opt.state_dict())
+    unchanged = all(torch.equal(before[0][n], after[0][n]) for n in before[0]) and \
+        all(after[1][n] is None for n in after[1]) and \
+        all(torch.equal(a, b) for n in before[2]["state"] for k in before[2]["state"][n]
+            for a, b in [(before[2]["state"][n][k], after[2]["state"][n][k])])
+    left = len(ring._pending)
+    for n in (1, 2):
+        step(gm, opt, n), step(ddp, ddp_opt, n)
+    return {"raised": raised, "unchanged": unchanged, "left_in_flight": left,
+            "param": param_errors(prog.full_state_dict(gm), ddp.module.state_dict(),
+                                  [n for n, _ in model.named_parameters()])}

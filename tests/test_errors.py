@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import rtp_compile
-from jobs import die_mid_step, run_program_of, stall_one_rank
+from jobs import die_mid_step, failed_forward_leaves_state, run_program_of, stall_one_rank
 from zoo import build
 
 
@@ -113,3 +113,14 @@ def test_a_rank_dying_mid_step_makes_the_others_fail_naming_peers(where, tmp_pat
         assert f"rank {rank} timed out or failed in the ring" in message, message
         assert re.search(r"(sending to|receiving from) rank \d", message), message
         assert re.search(r"Rank \d or \d probably failed", message), message
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_forward_that_raises_leaves_state_intact_and_nothing_in_flight(world_size, seed):
+    results = rtp_compile.launch(failed_forward_leaves_state, world_size, args=(seed,),
+                                 timeout=120)
+    for rank, r in enumerate(results):
+        assert r["raised"] and "index" in r["raised"].lower(), r
+        assert r["unchanged"] and r["left_in_flight"] == 0, (rank, r)
+        assert r["param"] <= 1e-9, (rank, r)  # the next steps train as DDP's do

@@ -204,7 +204,11 @@ def shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: i
 
 def wait(received: torch.Tensor) -> None:
     """Block until the shift that produced `received` has finished, within the group timeout."""
-    pending = _pending.pop(received.untyped_storage().data_ptr(), None)
+    wait_for_key(received.untyped_storage().data_ptr())
+
+
+def wait_for_key(key: int) -> None:
+    pending = _pending.pop(key, None)
     if pending is None:
         raise RuntimeError("rtp_compile: ring_wait on buffers with no shift in flight")
     timeout = pending.timeout
@@ -219,6 +223,19 @@ def wait(received: torch.Tensor) -> None:
                     f"rtp_compile: rank {dist.get_rank()} timed out or failed in the ring "
                     f"during {pending.where}, {doing} (timeout {timeout}). Rank {src} or "
                     f"{dst} probably failed, left, or runs a different program: {err}") from err
+
+
+def finish_leftover_hops() -> int:
+    """Wait out every hop still in flight: those of a step that raised between a hop's start
+    and its wait (every rank of the ring started the same hops, so they complete). After it,
+    no receive is pending and nothing holds their buffers; returns how many there were."""
+    leftovers = 0
+    while _pending:
+        key = next(iter(_pending))
+        _pending[key].where += " (left in flight by a step that raised)"
+        wait_for_key(key)
+        leftovers += 1
+    return leftovers
 
 
 @torch.library.custom_op("rtp::ring_shift_start", mutates_args=())
@@ -269,6 +286,7 @@ class JobCheck(torch.nn.Module):
         return f"rank {self.rank} of {self.world_size}, group {self.group_name or 'WORLD'!r}"
 
     def forward(self) -> None:
+        finish_leftover_hops()  # of a step before that raised after starting a hop
         if self.world_size == 1 and not (dist.is_available() and dist.is_initialized()):
             return  # a one-rank program needs no process group
         group = resolve_group(self.group_name)
