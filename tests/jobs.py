@@ -470,22 +470,27 @@ def bucket_buffers(rank: int, world_size: int, seed: int) -> dict:
 
 def trained_state(rank: int, world_size: int, names: list[str], seed: int,
                   steps: int = 3) -> dict:
-    """Each model of `names` compiled on this rank and trained `steps` AdamW steps from the
-    seed: its full state_dict and this rank's shards and their gradients, for comparing runs."""
+    """For each RTP world size k = 1..world_size, on the first k ranks (a group of them): each
+    model of `names` compiled and trained `steps` AdamW steps from the seed; its full
+    state_dict, this rank's shards and their gradients, for comparing runs."""
     out = {}
-    for name in names:
-        prog = rtp_compile.transform(build(name, seed), world_size)
-        gm = prog.module(rank)
-        opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1)
-        for step in range(steps):
-            loss_of(gm(batch(name, seed, rank, step)), seed + step).backward()
-            opt.step()
-            if step < steps - 1:
-                opt.zero_grad()
-        out[name] = {"full": prog.full_state_dict(gm),
-                     "shards": {n: p.detach().clone() for n, p in gm.named_parameters()},
-                     "grads": {n: p.grad.clone() for n, p in gm.named_parameters()
-                               if p.grad is not None}}
+    for k in range(1, world_size + 1):
+        group = dist.new_group(list(range(k)))  # every rank takes part in making it
+        if rank >= k:
+            continue
+        for name in names:
+            prog = rtp_compile.transform(build(name, seed), k)
+            gm = prog.module(rank, group=group)
+            opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1)
+            for step in range(steps):
+                loss_of(gm(batch(name, seed, rank, step)), seed + step).backward()
+                opt.step()
+                if step < steps - 1:
+                    opt.zero_grad()
+            out[(k, name)] = {"full": prog.full_state_dict(gm),
+                              "shards": {n: p.detach().clone() for n, p in gm.named_parameters()},
+                              "grads": {n: p.grad.clone() for n, p in gm.named_parameters()
+                                        if p.grad is not None}}
     return out
 
 

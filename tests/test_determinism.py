@@ -1,5 +1,5 @@
 """Two runs of the same training from the same seeds give bitwise-equal parameters and
-gradients on CPU at every world size (separate jobs: fresh processes, fresh hash seeds)."""
+gradients on CPU at every world size 1-4 (separate jobs: fresh processes, fresh hash seeds)."""
 import pytest
 import torch
 
@@ -11,18 +11,18 @@ MODELS = ["gpt", "conv"]  # a tied head and buckets; BatchNorm buffers
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_two_runs_are_bitwise_equal(world_size, seed):
-    runs = [rtp_compile.launch(trained_state, world_size, args=(MODELS, seed), timeout=300)
+def test_two_runs_are_bitwise_equal(seed):
+    runs = [rtp_compile.launch(trained_state, 4, args=(MODELS, seed), timeout=400)
             for _ in range(2)]
+    initial = build("gpt", seed).state_dict()
     for rank, (first, second) in enumerate(zip(*runs)):
-        for name in MODELS:
+        assert sorted(first) == sorted((k, name) for k in range(rank + 1, 5) for name in MODELS)
+        for key, state in first.items():
             for part in ("full", "shards", "grads"):
-                a, b = first[name][part], second[name][part]
-                assert a.keys() == b.keys() and a, (rank, name, part)
-                for key in a:
-                    assert torch.equal(a[key], b[key]), f"rank {rank} {name} {part} {key}"
-        # and training moved the parameters: the runs compare something
-        initial = build("gpt", seed).state_dict()
-        assert all(not torch.equal(initial[k], v) for k, v in first["gpt"]["full"].items()
-                   if k.endswith("weight")), rank
+                a, b = state[part], second[key][part]
+                assert a.keys() == b.keys() and a, (rank, key, part)
+                for name in a:
+                    assert torch.equal(a[name], b[name]), f"rank {rank} {key} {part} {name}"
+            if key[1] == "gpt":  # and training moved the weights: the runs compare something
+                assert all(not torch.equal(initial[n], v) for n, v in state["full"].items()
+                           if n.endswith("weight")), (rank, key)
