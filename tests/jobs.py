@@ -307,6 +307,10 @@ def hf_parity(rank: int, world_size: int, names: list[str], seed: int, steps: in
         prog = rtp_compile.transform(model, world_size,
                                      example_kwargs=batches[0] if HF_ZOO[name][3] else None)
         gm = prog.module(rank)
+        named = dict(gm.named_parameters(remove_duplicate=False))  # exactly the shards
+        results[(name, "parameters")] = (sorted(named) == sorted(prog.plan.params) and
+                                         len(named) == len(list(model.parameters())) and
+                                         not any(p.is_meta for p in named.values()))
         results[(name, "type")] = (type(gm(**batches[0])).__name__,
                                    type(model(**batches[0])).__name__)
         results[name] = train_next_to_ddp(prog, gm, model, batches, seed,

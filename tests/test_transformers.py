@@ -35,6 +35,7 @@ def test_real_models_match_unsharded_and_ddp(world_size, seed):
             for what, err in per_model[name].items():
                 assert err <= tol, f"rank {rank} {name}: {what} rel. error {err:.2e}\n" \
                                    f"{per_model[(name, 'report')]}"
+            assert per_model[(name, "parameters")], f"rank {rank} {name}: gm.parameters()"
             report = per_model[(name, "report")]
             # their 2 head groups cannot be cut evenly for 3 ranks: the default keeps memory
             # at 1/N rather than pad to whole groups, and says so
