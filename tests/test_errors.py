@@ -116,7 +116,7 @@ def test_a_rank_dying_mid_step_makes_the_others_fail_naming_peers(where, tmp_pat
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [3])
 def test_a_forward_that_raises_leaves_state_intact_and_nothing_in_flight(world_size, seed):
     results = rtp_compile.launch(failed_forward_leaves_state, world_size, args=(seed,),
                                  timeout=120)

@@ -91,17 +91,32 @@ def _curve(profile: Profile, grad_of: dict[str, sympy.Expr], buffers_at: dict[in
     produced_at: dict[int, list[str]] = {}
     for name, point in profile.last_use.items():
         produced_at.setdefault(point, []).append(name)
-    extra, grads = {}, sympy.Integer(0)
+
+    def numbers(e) -> list[float]:
+        return [float(e.subs(N, n)) if isinstance(e, sympy.Expr) else float(e)
+                for n in _POWERS_OF_TWO]
+
+    grad_numbers = {name: numbers(e) for name, e in grad_of.items()}
+    buffer_numbers = {e: numbers(e) for e in set(buffers_at.values())}
+    zero = [0.0] * len(_POWERS_OF_TWO)
+    extra_numbers, grads = {}, zero
     for i in range(len(profile.saved), -1, -1):  # backward walks the forward order in reverse
         if backward:
             for name in produced_at.get(i, []):
-                grads += grad_of.get(name, 0)
-        extra[i] = grads + buffers_at.get(i, 0)
-    numeric = {e: [float(e.subs(N, n)) for n in _POWERS_OF_TWO] for e in set(extra.values())}
-    keep = {max(extra, key=lambda i: cumulative[i] + numeric[extra[i]][k])
+                grads = [g + d for g, d in zip(grads, grad_numbers.get(name, zero))]
+        held = buffer_numbers[buffers_at[i]] if i in buffers_at else zero
+        extra_numbers[i] = [g + h for g, h in zip(grads, held)]
+    # the maximum is sought numerically; only the points that win for some N get expressions
+    keep = {max(extra_numbers, key=lambda i: cumulative[i] + extra_numbers[i][k])
             for k in range(len(_POWERS_OF_TWO))}
+
+    def extra(i) -> sympy.Expr:
+        produced = [grad_of.get(name, 0) for p, names in produced_at.items() if p >= i
+                    for name in names] if backward else []
+        return sympy.Add(*produced) + buffers_at.get(i, 0)
+
     scale = A / max(profile.activation_bytes, 1)  # activations enter as a share of A
-    curve = [cumulative[i] * scale + extra[i] for i in sorted(keep)]
+    curve = [cumulative[i] * scale + extra(i) for i in sorted(keep)]
     return sympy.Max(*curve) if len(curve) > 1 else curve[0]
 
 
