@@ -208,6 +208,7 @@ def wait(received: torch.Tensor) -> None:
 
 
 def wait_for_key(key: int) -> None:
+    """`wait` for the shift registered under `key` (its receive buffer's storage pointer)."""
     pending = _pending.pop(key, None)
     if pending is None:
         raise RuntimeError("rtp_compile: ring_wait on buffers with no shift in flight")
@@ -225,17 +226,14 @@ def wait_for_key(key: int) -> None:
                     f"{dst} probably failed, left, or runs a different program: {err}") from err
 
 
-def finish_leftover_hops() -> int:
+def finish_leftover_hops() -> None:
     """Wait out every hop still in flight: those of a step that raised between a hop's start
     and its wait (every rank of the ring started the same hops, so they complete). After it,
-    no receive is pending and nothing holds their buffers; returns how many there were."""
-    leftovers = 0
+    no receive is pending and nothing holds their buffers."""
     while _pending:
         key = next(iter(_pending))
         _pending[key].where += " (left in flight by a step that raised)"
         wait_for_key(key)
-        leftovers += 1
-    return leftovers
 
 
 @torch.library.custom_op("rtp::ring_shift_start", mutates_args=())

@@ -126,7 +126,7 @@ class UnitRuntime(nn.Module):
             fetch = _UnitFetch(own, self.group_name, where)
             grads = GradientRing(self.layouts, self.group_name, where, own[0]) if need_dw \
                 else None
-        scratches, shards = {}, None
+        scratches = {}
         for event in self.schedule.backward:
             j, action = event.step, event.action
             shards = None  # a step's views go when it is done: the pool reuses their buffer
