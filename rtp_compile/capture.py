@@ -16,6 +16,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from rtp_compile.model_state import native_state_keys
+
 
 class CaptureError(RuntimeError):
     """The model could not be captured by any path; the message says what to do."""
@@ -28,7 +30,7 @@ class Captured:
     level: str                                   # "function" (fx) | "aten" (export)
     params: dict[str, torch.Tensor]              # canonical name -> the model's parameter
     aliases: dict[str, list[str]] = field(default_factory=dict)  # canonical -> every name
-    state_keys: list[str] = field(default_factory=list)          # the model's state_dict keys
+    native_keys: list[str] = field(default_factory=list)  # parameters, persistent buffers
     model: nn.Module | None = field(default=None, repr=False)    # what was captured (meta init)
     examples: tuple = field(default=(None, None), repr=False)   # (example_inputs, _kwargs) given
 
@@ -60,7 +62,7 @@ def capture(model: nn.Module, example_inputs=None, example_kwargs=None) -> Captu
         gm, level = _export(model, example_inputs, example_kwargs, "the given example inputs"), \
             "aten"
     _canonicalise_parameter_reads(gm, aliases)
-    return Captured(gm, level, params, aliases, list(model.state_dict().keys()), model=model,
+    return Captured(gm, level, params, aliases, native_state_keys(model), model=model,
                     examples=(example_inputs, example_kwargs))
 
 

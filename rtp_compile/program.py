@@ -9,7 +9,8 @@ from torch import nn
 from rtp_compile.codegen import RankEmitter, job_of
 from rtp_compile.cost.model import rtp_cost
 from rtp_compile.cost.profile import profile_of
-from rtp_compile.full_checkpoint import checkpoint_keys, open_checkpoint
+from rtp_compile.full_checkpoint import checkpoint_keys
+from rtp_compile.model_state import open_model_checkpoint, to_model_state_dict
 from rtp_compile.passes import compile_graph
 from rtp_compile.passes.context import Context
 from rtp_compile.passes.plan import Plan
@@ -152,7 +153,8 @@ class RTPProgram:
 
     # -- full state ----------------------------------------------------------------------
     def full_state_dict(self, gm: nn.Module) -> dict[str, torch.Tensor]:
-        """Collective: the model's state_dict (every name, full shapes, padding removed)."""
+        """Collective: the model's state_dict (its keys, through its own state-dict hooks; full
+        shapes, padding removed)."""
         group = job_of(gm).group_name
         shards = {name: gm.get_parameter(name).detach() for name in self.plan.params}
         full = {}
@@ -163,7 +165,7 @@ class RTPProgram:
                 full[alias] = tensor
         for name in self.ctx.buffer_names:
             full[name] = gm.get_buffer(name).detach().clone()
-        return {k: full[k] for k in self.ctx.state_keys if k in full}
+        return to_model_state_dict(self.ctx.model, full, "full_state_dict")
 
     def _all_gather(self, shard: torch.Tensor, group_name: str) -> list[torch.Tensor]:
         if self.world_size == 1:
@@ -177,9 +179,11 @@ class RTPProgram:
         the unsharded model), or a path to one (`torch.save` file, read memory-mapped; a
         `.safetensors` file or a directory of them), read one parameter at a time, only this
         rank's part. Every key and shape is checked before anything is written; a tied
-        parameter may be stored under any of its names."""
+        parameter may be stored under any of its names. The keys are the model's own: a model
+        whose modules rename them with state-dict hooks has them taken back by its load
+        pre-hooks (`rtp_compile.model_state`; the checkpoint is then read whole)."""
         rank = job_of(gm).rank
-        source = open_checkpoint(state_dict)
+        source = open_model_checkpoint(state_dict, self.ctx.model, "load_full_state_dict")
         try:
             buffers = {n: tuple(gm.get_buffer(n).shape) for n in self.ctx.buffer_names}
             keys = checkpoint_keys(source, self.plan.params, buffers, "load_full_state_dict")

@@ -11,8 +11,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from rtp_compile.full_checkpoint import checkpoint_keys, open_checkpoint
+from rtp_compile.full_checkpoint import checkpoint_keys
 from rtp_compile.materialize import _check_seed, _owned, init_module
+from rtp_compile.model_state import open_model_checkpoint
 
 
 @dataclass
@@ -68,9 +69,10 @@ def rank_tensors(ctx, src: fx.GraphModule, rank: int, device, seed: int,
     if checkpoint is not None and any_meta and not materialising:
         raise ValueError("rtp_compile: loading a checkpoint into a meta-device model needs a real "
                          "device: prog.module(rank, device='cuda' or 'cpu', checkpoint=path)")
-    source = open_checkpoint(checkpoint) if checkpoint is not None else None
+    source = open_model_checkpoint(checkpoint, model, f"prog.module({rank}, checkpoint=...)") \
+        if checkpoint is not None else None
     try:
-        persistent = set(ctx.state_keys)
+        persistent = set(ctx.native_keys)
         loaded = {n: tuple(t.shape) for n, t in attrs_in.items() if n in persistent} \
             if source is not None else {}
         keys = checkpoint_keys(source, plan.params, loaded,

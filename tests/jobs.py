@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rtp_compile
+from decoders import build_decoder, decoder_batch
 from zoo import batch, build
 
 
@@ -236,27 +237,42 @@ def accumulate_like_ddp(rank: int, world_size: int, seed: int, reduction: str,
                                  for n in prog.plan.params})}
 
 
-def state_dict_roundtrip(rank: int, world_size: int, seed: int) -> dict:
-    """full_state_dict gives the model's names and shapes (tied aliases too, buffers too);
-    load_full_state_dict puts another model's state into the shards exactly."""
-    model, other = build("gpt", seed), build("gpt", seed + 1)
-    prog = rtp_compile.transform(model, world_size)
-    gm = prog.module(rank)
-    full = prog.full_state_dict(gm)
-    expected = model.state_dict()
-    same_keys = list(full) == list(expected)
-    exact = all(torch.equal(full[k], expected[k]) for k in expected)
-    prog.load_full_state_dict(gm, other.state_dict())
-    loaded = prog.full_state_dict(gm)
-    x = batch("gpt", seed, rank, 0)
+def state_dict_roundtrip(rank: int, world_size: int, seed: int, path: str) -> dict:
+    """full_state_dict gives the model's keys and shapes (tied aliases too, buffers too, keys a
+    module renames with state-dict hooks as it renames them); load_full_state_dict and
+    module(checkpoint=) put another model's state into the shards exactly. Per model: gpt (tied
+    head), neox (a packed qkv saved as wq / wk / wv)."""
     import pickle
-    copies = [copy.deepcopy(gm), pickle.loads(pickle.dumps(gm))]  # e.g. an EMA copy, torch.save
-    return {"same_keys": same_keys, "exact": exact,
+    out = {}
+    for name, build_model, make_batch in [
+            ("gpt", lambda s: build("gpt", s), lambda: batch("gpt", seed, rank, 0)),
+            ("neox", lambda s: build_decoder("neox", s), lambda: decoder_batch(seed, rank))]:
+        model, other = build_model(seed), build_model(seed + 1)
+        x = make_batch()
+        prog = rtp_compile.transform(model, world_size,
+                                     example_inputs=(x,) if name == "neox" else None)
+        gm = prog.module(rank)
+        full = prog.full_state_dict(gm)
+        expected = model.state_dict()
+        same_keys = list(full) == list(expected)
+        exact = all(torch.equal(full[k], expected[k]) for k in expected)
+        prog.load_full_state_dict(gm, other.state_dict())
+        loaded = prog.full_state_dict(gm)
+        if rank == 0:
+            torch.save(other.state_dict(), f"{path}.{name}")
+        dist.barrier()
+        from_file = prog.module(rank, checkpoint=f"{path}.{name}")
+        copies = [copy.deepcopy(gm)]  # e.g. an EMA copy
+        if name == "gpt":  # torch.save (an exported graph's guard module does not pickle)
+            copies.append(pickle.loads(pickle.dumps(gm)))
+        out[name] = {
+            "same_keys": same_keys, "exact": exact,
             "loaded": all(torch.equal(loaded[k], v) for k, v in other.state_dict().items()),
-            "output": rel_err(gm(x), other(x)),
+            "output": max(rel_err(m(x), other(x)) for m in [gm, from_file]),
             "copies": max(rel_err(c(x), other(x)) for c in copies),
             "copies_state": all(torch.equal(prog.full_state_dict(c)[k], v)
                                 for c in copies for k, v in other.state_dict().items())}
+    return out
 
 
 def subgroup_programs(rank: int, world_size: int, seed: int) -> dict:

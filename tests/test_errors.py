@@ -9,6 +9,7 @@ from torch import nn
 
 import rtp_compile
 from jobs import die_mid_step, failed_forward_leaves_state, run_program_of, stall_one_rank
+from decoders import build_decoder, decoder_batch
 from zoo import build
 
 
@@ -76,6 +77,25 @@ def test_load_full_state_dict_names_the_bad_parameter():
     with pytest.raises(ValueError, match="fc2.weight"):
         prog.load_full_state_dict(gm, state)
     assert all(torch.equal(before[k], v) for k, v in gm.state_dict().items())
+
+
+def test_a_state_dict_the_models_own_hooks_cannot_map_is_refused_whole():
+    # neox saves its packed qkv as wq / wk / wv (state-dict hooks) and joins them on load
+    model, other = build_decoder("neox", 0), build_decoder("neox", 1)
+    prog = rtp_compile.transform(model, 1, example_inputs=(decoder_batch(0, 0),))
+    gm = prog.module(0)
+    before = {k: v.clone() for k, v in gm.state_dict().items()}
+    state = other.state_dict()
+    state.pop("layers.1.qkv.wk.bias")            # the hook cannot join q, k, v of layer 1
+    with pytest.raises(KeyError, match="layers.1.qkv.wqkv.bias") as err:
+        prog.load_full_state_dict(gm, state)
+    assert "nothing was loaded" in str(err.value)
+    state = other.state_dict()
+    state["layers.0.qkv.wv.weight"] = state["layers.0.qkv.wv.weight"][:5]
+    with pytest.raises(ValueError, match="layers.0.qkv.wqkv.weight"):
+        prog.load_full_state_dict(gm, state)
+    assert all(torch.equal(before[k], v) for k, v in gm.state_dict().items())
+    assert list(prog.full_state_dict(gm)) == list(model.state_dict())
 
 
 @pytest.mark.timeout(120)

@@ -25,10 +25,14 @@ def test_gradients_accumulate_across_backward_calls_like_ddp(reduction, seed):
 
 
 @pytest.mark.timeout(300)
-def test_full_state_dict_roundtrip(seed):
-    for r in rtp_compile.launch(state_dict_roundtrip, 3, args=(seed,), timeout=120):
-        assert r["same_keys"] and r["exact"] and r["loaded"] and r["copies_state"]
-        assert r["output"] <= TOL and r["copies"] <= TOL
+def test_full_state_dict_roundtrip(seed, tmp_path):
+    results = rtp_compile.launch(state_dict_roundtrip, 3, args=(seed, str(tmp_path / "sd")),
+                                 timeout=120)
+    for rank, per_model in enumerate(results):
+        for name, r in per_model.items():
+            assert r["same_keys"] and r["exact"] and r["loaded"] and r["copies_state"], \
+                (rank, name, r)
+            assert r["output"] <= TOL and r["copies"] <= TOL, (rank, name, r)
 
 
 @pytest.mark.timeout(300)

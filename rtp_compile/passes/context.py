@@ -78,7 +78,8 @@ class Context:
 
     Capture: `level` ("function": torch.fx, "aten": torch.export), `params` (canonical name ->
     the model's parameter), `aliases` (canonical name -> every name of it, tied weights),
-    `state_keys` (the model's state_dict keys), `model` (what was captured, for meta init),
+    `native_keys` (its parameters, under every name, and persistent buffers, as its modules
+    name them, in state_dict order: `rtp_compile.model_state`), `model` (what was captured, for meta init),
     `examples` (the example inputs and kwargs it was captured with, or None) and
     `reference` (the captured graph, never rewritten: the cost model profiles it and every
     world size's program starts from it). Passes: `plan` (plan_sharding, fuse_blocks),
@@ -91,7 +92,7 @@ class Context:
     level: str
     params: dict[str, torch.Tensor]
     aliases: dict[str, list[str]]
-    state_keys: list[str]
+    native_keys: list[str]
     reference: fx.GraphModule
     model: nn.Module | None = field(default=None, repr=False)
     examples: tuple = field(default=(None, None), repr=False)
@@ -106,7 +107,7 @@ class Context:
         """The context of a fresh capture (`rtp_compile.capture.Captured`)."""
         reference = fx.GraphModule(captured.gm, copy.deepcopy(captured.gm.graph))
         return cls(check_world_size(world_size, "rtp_compile.transform"), options,
-                   captured.level, captured.params, captured.aliases, captured.state_keys,
+                   captured.level, captured.params, captured.aliases, captured.native_keys,
                    reference, captured.model, captured.examples)
 
     def for_world_size(self, world_size: int) -> "Context":
@@ -125,9 +126,9 @@ class Context:
 
     @property
     def buffer_names(self) -> list[str]:
-        """The state_dict keys that are not parameters (buffers), in state_dict order."""
+        """The persistent buffers by native name, in state_dict order."""
         aliases = self.canonical
-        return [n for n in self.state_keys if n not in aliases]
+        return [n for n in self.native_keys if n not in aliases]
 
     @property
     def grad_scale(self) -> float:

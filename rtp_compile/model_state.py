@@ -1,0 +1,103 @@
+"""The model's own state_dict, through its own hooks.
+
+Inside rtp_compile a model's tensors go by their *native* names: where its modules keep them
+(every name of a tied parameter, persistent buffers). Its `state_dict()` may speak other keys:
+modules can rename, split or merge entries with state-dict hooks (a packed `wqkv` saved as
+`wq`/`wk`/`wv`) and take them back with load pre-hooks. Full state dicts and checkpoints speak
+the model's keys, so they go through those hooks, run by torch itself on a *skeleton*: a copy of
+the model whose tensors are empty meta tensors, into which the full tensors are put (no copy).
+Models without such hooks skip the skeleton: their keys are their native names.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from rtp_compile.full_checkpoint import CheckpointSource, DictSource, open_checkpoint
+
+_HOOK_TABLES = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                "_load_state_dict_post_hooks")
+
+
+def native_state_keys(model: nn.Module) -> list[str]:
+    """Every parameter (under each of its names) and persistent buffer, in state_dict order
+    (each module's parameters, then its buffers, then its children's), as the modules name them."""
+    keys = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        keys += [dot + n for n, p in module._parameters.items() if p is not None]
+        keys += [dot + n for n, b in module._buffers.items()
+                 if b is not None and n not in module._non_persistent_buffers_set]
+    return keys
+
+
+def has_state_dict_hooks(model: nn.Module) -> bool:
+    """Whether any module changes what state_dict gives or load_state_dict takes by a hook."""
+    return any(getattr(m, table, None) for m in model.modules() for table in _HOOK_TABLES)
+
+
+def _skeleton(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are meta tensors (no data is copied)."""
+    memo = {}
+    for _, t in list(model.named_parameters(remove_duplicate=False)) + \
+            list(model.named_buffers(remove_duplicate=False)):
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) \
+            else empty
+    return copy.deepcopy(model, memo)
+
+
+def to_model_state_dict(model: nn.Module, native: Mapping[str, torch.Tensor],
+                        what: str) -> dict[str, torch.Tensor]:
+    """`native` (every native key of `model`, full tensors) as `model.state_dict()` gives it."""
+    keys = native_state_keys(model)
+    if not has_state_dict_hooks(model):
+        return {k: native[k] for k in keys}
+    skeleton = _skeleton(model)
+    for key in keys:
+        module_name, _, leaf = key.rpartition(".")
+        module = skeleton.get_submodule(module_name)
+        table = module._parameters if leaf in module._parameters else module._buffers
+        table[leaf] = native[key]  # state_dict reads these tables; plain tensors are fine
+    try:
+        return dict(skeleton.state_dict())
+    except Exception as err:
+        raise RuntimeError(f"rtp_compile: {what}: the model's state_dict hooks failed on the full "
+                           f"tensors ({type(err).__name__}: {err}); they must work on tensors "
+                           f"passed in the state_dict, as torch.save(model.state_dict()) needs"
+                           ) from err
+
+
+def to_native(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
+              what: str) -> dict[str, torch.Tensor]:
+    """A state_dict in `model`'s keys as native names, through the model's own load_state_dict
+    (its load pre-hooks, strict key and shape checks) on a skeleton: nothing of the model or of
+    any shard is touched. KeyError / ValueError say what does not map; nothing is loaded then."""
+    skeleton = _skeleton(model)
+    try:
+        skeleton.load_state_dict(dict(state_dict), strict=True, assign=True)
+    except RuntimeError as err:
+        message = str(err).replace("\n\t", " ").strip()
+        kind = ValueError if "size mismatch" in message else KeyError
+        raise kind(f"rtp_compile: {what}: the model's own load_state_dict (with its load hooks) "
+                   f"does not take this state_dict: {message}; nothing was loaded") from err
+    tensors = dict(skeleton.named_parameters(remove_duplicate=False))
+    tensors.update(skeleton.named_buffers(remove_duplicate=False))
+    return {k: tensors[k].detach() for k in native_state_keys(model)}
+
+
+def open_model_checkpoint(checkpoint, model: nn.Module, what: str) -> CheckpointSource:
+    """`full_checkpoint.open_checkpoint`, speaking native names: a model with state-dict hooks
+    has its checkpoint read whole and translated by `to_native` (the hooks need whole tensors)."""
+    source = open_checkpoint(checkpoint)
+    if model is None or not has_state_dict_hooks(model):
+        return source
+    try:
+        tensors = source.sd if isinstance(source, DictSource) else \
+            {key: source.read(key) for key in source.keys()}
+        return DictSource(to_native(model, tensors, what), source.description)
+    finally:
+        source.close()
