@@ -1,6 +1,6 @@
 """Local multi-process launcher for Rotated Tensor Parallel programs.
 
-`launch` runs a function on `world_size` freshly spawned processes on this
+`launch` runs a function on `world_size` new processes on this
 machine, each with an initialised default ``torch.distributed`` process group,
 and hands every rank's return value back to the caller. It is the single-host
 runner behind the tests, notebooks and the CLI: the function travels with
