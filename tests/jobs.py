@@ -91,9 +91,29 @@ def train_next_to_ddp(prog, gm, model, batches, seed: int, call, output) -> dict
         opt.zero_grad()
         ddp_opt.zero_grad()
         errors["param"] = max(errors["param"], param_errors(
-            prog.full_state_dict(gm), ddp.module.state_dict(),
-            [n for n, _ in model.named_parameters()]))
+            prog.full_state_dict(gm), ddp.module.state_dict(), parameter_keys(model)))
     return errors
+
+
+def parameter_keys(model) -> list[str]:
+    """The model's state_dict keys that are not buffers (its parameters, under the keys its
+    state-dict hooks give them)."""
+    buffers = {n for n, _ in model.named_buffers()}
+    return [k for k in model.state_dict() if k not in buffers]
+
+
+def random_model_parity(rank: int, world_size: int, spec: dict, seed: int) -> dict:
+    """A random model of tests/random_models.py: train_next_to_ddp's errors over 2 AdamW
+    steps, whether full_state_dict speaks the model's keys, and the plan's report."""
+    from random_models import build_random, random_batch
+    model = build_random(spec, seed)
+    batches = [random_batch(spec, seed, rank, step) for step in range(2)]
+    prog = rtp_compile.transform(model, world_size, example_inputs=(batches[0],)
+                                 if spec["capture"] == "export" else None)
+    gm = prog.module(rank)
+    errors = train_next_to_ddp(prog, gm, model, batches, seed, lambda m, x: m(x), lambda o: o)
+    return {**errors, "keys": list(prog.full_state_dict(gm)) == list(model.state_dict()),
+            "report": prog.report()}
 
 
 def parity(rank: int, world_size: int, names: list[str], seed: int, steps: int = 3,
