@@ -26,6 +26,7 @@ from rtp_compile.runtime.events import forward_shard
 from rtp_compile.runtime.fused import LINEAR, FusedBlockRuntime, head_groups, sub_roles
 from rtp_compile.runtime import ring
 from rtp_compile.runtime.ring import BufferBroadcast, JobCheck
+from rtp_compile.runtime.transaction import GradTransaction
 from rtp_compile.runtime.units import GatheredOpRuntime, RotatedOpRuntime, SmallParamsGather
 
 
@@ -111,6 +112,9 @@ class RankEmitter:
         gm.graph.lint()
         # a forward that raises leaves no hop in flight (also when it raised between the two)
         gm.register_forward_hook(_finish_leftover_hops, always_call=True)
+        # a backward that raises leaves every shard's .grad as it was (runtime.transaction)
+        gm.rtp_grads = GradTransaction()
+        gm.register_forward_pre_hook(_enter_grad_transaction)
         return gm
 
     def _emit_job_start(self) -> None:
@@ -289,3 +293,7 @@ class RankEmitter:
 
 def _finish_leftover_hops(module, args, output) -> None:
     ring.finish_leftover_hops()
+
+
+def _enter_grad_transaction(module, args) -> None:
+    module.rtp_grads.enter_forward(list(module.parameters()))

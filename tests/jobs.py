@@ -597,3 +597,70 @@ def failed_forward_leaves_state(rank: int, world_size: int, seed: int) -> dict:
     return {"raised": raised, "unchanged": unchanged, "left_in_flight": left,
             "param": param_errors(prog.full_state_dict(gm), ddp.module.state_dict(),
                                   [n for n, _ in model.named_parameters()])}
+
+
+def failed_backward_leaves_state(rank: int, world_size: int, seed: int, where: str) -> dict:
+    """A backward that raises half-way on every rank, after one accumulated backward (so the
+    shards' .grad hold values to keep), next to DDP: `where` = "user" (the model's own op raises
+    after the units behind it finished; rolled back by the next forward) or "unit" (a unit's
+    backward raises, as a failed hop does; rolled back at once). The state right after the
+    failure ("unit") or after the next forward ("user"), hops left in flight, and the errors of
+    the steps after it against DDP (which never saw the failed backward)."""
+    from rtp_compile.runtime import ring
+    from rtp_compile.runtime.units import RotatedOpRuntime
+    from zoo import FailingBackward
+    model = build("midfail", seed)
+    prog = rtp_compile.transform(model, world_size)
+    gm, ddp = prog.module(rank), DDP(copy.deepcopy(model))
+    opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1)
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1)
+
+    def backward(module, n):
+        loss_of(module(batch("midfail", seed, rank, n)), seed + n).backward()
+
+    for module, optimizer in ((gm, opt), (ddp, ddp_opt)):
+        backward(module, 0)
+        optimizer.step()
+        optimizer.zero_grad()
+        backward(module, 1)                      # accumulated: .grad holds batch 1's gradients
+    before = ({n: p.detach().clone() for n, p in gm.named_parameters()},
+              {n: p.grad.clone() for n, p in gm.named_parameters()},
+              copy.deepcopy(opt.state_dict()))
+    original = RotatedOpRuntime.step_weight_grads
+    if where == "user":
+        FailingBackward.armed = True
+    else:
+        def failing(self, *args):
+            if self.unit_name == "fc2":
+                raise RuntimeError("a unit's backward failed")
+            return original(self, *args)
+        RotatedOpRuntime.step_weight_grads = failing
+    try:
+        backward(gm, 2)
+        raised = None
+    except Exception as err:  # noqa: BLE001 - whatever the backward raises
+        raised = f"{type(err).__name__}: {err}"
+    finally:
+        FailingBackward.armed = False
+        RotatedOpRuntime.step_weight_grads = original
+    if where == "user":
+        with torch.no_grad():
+            gm(batch("midfail", seed, rank, 2))  # the next forward rolls the failed one back
+    after = ({n: p.detach() for n, p in gm.named_parameters()},
+             {n: p.grad for n, p in gm.named_parameters()}, opt.state_dict())
+    unchanged = all(torch.equal(before[0][n], after[0][n]) for n in before[0]) and \
+        all(after[1][n] is not None and torch.equal(before[1][n], after[1][n])
+            for n in before[1]) and \
+        all(torch.equal(a, b) for n in before[2]["state"] for k in before[2]["state"][n]
+            for a, b in [(before[2]["state"][n][k], after[2]["state"][n][k])])
+    left = len(ring._pending)
+    for module, optimizer in ((gm, opt), (ddp, ddp_opt)):
+        backward(module, 3)                      # accumulates onto batch 1's gradients
+        optimizer.step()
+        optimizer.zero_grad()
+        backward(module, 4)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"raised": raised, "unchanged": unchanged, "left_in_flight": left,
+            "param": param_errors(prog.full_state_dict(gm), ddp.module.state_dict(),
+                                  parameter_keys(model))}

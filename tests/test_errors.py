@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import rtp_compile
-from jobs import die_mid_step, failed_forward_leaves_state, run_program_of, stall_one_rank
+from jobs import (die_mid_step, failed_backward_leaves_state, failed_forward_leaves_state,
+                  run_program_of, stall_one_rank)
 from decoders import build_decoder, decoder_batch
 from zoo import build
 
@@ -144,3 +145,18 @@ def test_a_forward_that_raises_leaves_state_intact_and_nothing_in_flight(world_s
         assert r["raised"] and "index" in r["raised"].lower(), r
         assert r["unchanged"] and r["left_in_flight"] == 0, (rank, r)
         assert r["param"] <= 1e-9, (rank, r)  # the next steps train as DDP's do
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("where", ["user", "unit"])
+def test_a_backward_that_raises_leaves_gradients_as_they_were(where, seed):
+    # after one accumulated backward, a second raises half-way on every rank: every shard's
+    # .grad is exactly what the first left (at once when a unit raised, as a failed hop does;
+    # by the next forward when the model's own code raised), nothing is left in flight, and
+    # training goes on as DDP's, which never saw the failed backward
+    results = rtp_compile.launch(failed_backward_leaves_state, 3, args=(seed, where),
+                                 timeout=120)
+    for rank, r in enumerate(results):
+        assert r["raised"] and "failed" in r["raised"], (rank, r)
+        assert r["unchanged"] and r["left_in_flight"] == 0, (rank, r)
+        assert r["param"] <= 1e-9, (rank, r)

@@ -139,6 +139,42 @@ class HandAttention(nn.Module):
         return self.head(x)
 
 
+class FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises while `armed` (user code failing mid-backward)."""
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if FailingBackward.armed:
+            raise RuntimeError("user code failed in backward")
+        return grad
+
+
+@torch.fx.wrap
+def fail_in_backward(x):
+    return FailingBackward.apply(x)
+
+
+class MidBackwardFailure(nn.Module):
+    """Units on both sides of a user op whose backward can be made to raise: the units after
+    it (in forward order) finish their backward before it raises, the ones before it never run."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(7, 11)
+        self.fc2 = nn.Linear(11, 13)
+        self.norm = nn.LayerNorm(13)
+        self.fc3 = nn.Linear(13, 5)
+
+    def forward(self, x):
+        h = fail_in_backward(torch.tanh(self.fc1(x)))
+        return self.fc3(self.norm(torch.tanh(self.fc2(h))))
+
+
 def tiny_gpt():
     return TinyGPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10))
 
@@ -156,6 +192,8 @@ ZOO = {
     "shared": (SharedLayer, lambda g: torch.randn(3, 9, generator=g, dtype=torch.float64)),
     "tiedbias": (TiedHeadWithBias, lambda g: torch.randint(0, 11, (3, 5), generator=g)),
     "attention": (HandAttention, lambda g: torch.randn(2, 5, 10, generator=g, dtype=torch.float64)),
+    "midfail": (MidBackwardFailure,
+                lambda g: torch.randn(4, 3, 7, generator=g, dtype=torch.float64)),
 }
 
 

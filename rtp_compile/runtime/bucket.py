@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from rtp_compile.layout import real_part
-from rtp_compile.runtime import ring
+from rtp_compile.runtime import ring, transaction
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
 
 
@@ -101,11 +101,12 @@ class _BucketParams(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, state, *own):
-        ctx.state = state
+        ctx.state, ctx.transaction = state, transaction.current()
         ctx.set_materialize_grads(False)
         return tuple(o.view_as(o) for o in own)
 
     @staticmethod
+    @transaction.transactional
     def backward(ctx, *ignored):
         grads = ctx.state.reduce_scatter()
         needs = ctx.needs_input_grad[1:]

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from rtp_compile.layout import real_part
-from rtp_compile.runtime import ring
+from rtp_compile.runtime import ring, transaction
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
 
 
@@ -61,12 +61,13 @@ class _UnitGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, unit, y, x, *tensors):
-        ctx.unit = unit
+        ctx.unit, ctx.transaction = unit, transaction.current()
         ctx.bucket = unit.bucket.current if unit.bucket is not None else None
         _save(ctx, (x, *tensors))  # a fused block's externals may be sizes, not tensors
         return y
 
     @staticmethod
+    @transaction.transactional
     def backward(ctx, dy):
         x, *rest = _saved(ctx)
         n_own = len(ctx.unit.roles)  # one own shard per role, then what the steps saved
@@ -278,12 +279,13 @@ class _GatherGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, unit, n_inputs, *values):
         inputs, own = values[:n_inputs], values[n_inputs:]
-        ctx.unit, ctx.n_inputs = unit, n_inputs
+        ctx.unit, ctx.n_inputs, ctx.transaction = unit, n_inputs, transaction.current()
         _save(ctx, values)  # inputs and own shards; the gathered tensors are freed
         outputs = unit.run(inputs, unit.gather(own))
         return tuple(outputs) if isinstance(outputs, list) else outputs
 
     @staticmethod
+    @transaction.transactional
     def backward(ctx, *douts):
         unit, n_inputs = ctx.unit, ctx.n_inputs
         saved = _saved(ctx)
@@ -363,10 +365,11 @@ def _without_parameters(body: nn.Module, param_names: list[str]):
 class _SmallGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runtime, *own):
-        ctx.runtime = runtime
+        ctx.runtime, ctx.transaction = runtime, transaction.current()
         return tuple(runtime.gather(own))
 
     @staticmethod
+    @transaction.transactional
     def backward(ctx, *full_grads):
         r = ctx.runtime
         grads = [torch.zeros(lay.shape, dtype=lay.dtype, device=r.device) if g is None else g

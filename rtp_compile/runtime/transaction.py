@@ -1,0 +1,90 @@
+"""A backward's shard gradients land in `.grad` only if the backward completes.
+
+A rank module's backward runs many units, each of whose shard gradients autograd accumulates
+into `.grad` as soon as the unit is done. A backward that raises half-way (user code, a failed
+peer) would leave some shards' gradients accumulated and others not, and the next optimizer
+step would apply them. So the first unit backward of a backward pass *opens* the module's
+transaction: each shard's `.grad` is set aside and set to None, autograd accumulates into fresh
+tensors, and an autograd engine callback at the end of the backward *commits*: the set-aside
+gradient plus the new one (`old.add_(new)`, the sum AccumulateGrad would have made, bitwise).
+A unit backward that raises (a failed hop, a failed step) rolls back at once (every `.grad` as
+it was, no hop in flight); a backward that raised in the model's own code, where no unit runs,
+is rolled back by the module's next forward, which also waits out the hops it left.
+
+A `register_post_accumulate_grad_hook` on a shard sees only this backward's gradient where
+`.grad` held one before it (gradient accumulation); `torch.autograd.grad` is unaffected.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from rtp_compile.runtime import ring
+
+_current: GradTransaction | None = None  # the transaction of the rank module running forward
+
+
+class GradTransaction:
+    """The gradient transaction of one rank module's shards (kept on the module as `rtp_grads`;
+    `enter_forward` is its forward pre-hook's work)."""
+
+    def __init__(self):
+        self.params: list[torch.Tensor] = []
+        self.set_aside: list[torch.Tensor | None] | None = None  # open while not None
+
+    def enter_forward(self, params: list[torch.Tensor]) -> None:
+        """Called before every forward of the module: roll back a backward that raised without
+        committing, and make this the transaction the forward's units join."""
+        global _current
+        self.roll_back()
+        self.params = params
+        _current = self
+
+    def open(self) -> None:
+        """Called first by every unit backward; the first of a backward pass sets the shards'
+        gradients aside and queues the commit."""
+        if self.set_aside is not None:
+            return
+        self.set_aside = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        torch.autograd.Variable._execution_engine.queue_callback(self.commit)
+
+    def commit(self) -> None:
+        for p, old in zip(self.params, self.set_aside or ()):
+            if old is not None:
+                p.grad = old if p.grad is None else old.add_(p.grad)
+        self.set_aside = None
+
+    def roll_back(self) -> None:
+        for p, old in zip(self.params, self.set_aside or ()):
+            p.grad = old
+        self.set_aside = None
+
+
+def current() -> GradTransaction | None:
+    """The transaction a unit's forward joins (its module's), None outside rank modules."""
+    return _current
+
+
+def transactional(backward):
+    """Wrap a unit's autograd.Function backward: open the transaction its forward saved in
+    `ctx.transaction` (None: none); if the backward raises, roll it back and wait out the hops it
+    left in flight (every rank of the ring started the same ones; where a peer is gone, waiting
+    fails too and the first error is the one raised)."""
+    @functools.wraps(backward)
+    def wrapped(ctx, *grads):
+        transaction = getattr(ctx, "transaction", None)
+        if transaction is None:
+            return backward(ctx, *grads)
+        transaction.open()
+        try:
+            return backward(ctx, *grads)
+        except BaseException:
+            transaction.roll_back()
+            with contextlib.suppress(Exception):
+                ring.finish_leftover_hops()
+            raise
+    return wrapped
