@@ -565,7 +565,8 @@ def _unbinds(node: fx.Node) -> bool:
 
 
 def _packed(node: fx.Node):
-    raise NotExact(f"{node.name} splits the head axis, as a packed projection (q, k, v in one "
-                   f"weight) is split: a shard of it would not hold matching q, k and v heads")
+    """A split / select of the head axis itself: what unpacks q, k, v from one weight."""
+    raise NotExact(f"{node.name} splits one packed projection (q, k, v in one weight): a "
+                   f"shard of it would not hold matching q, k and v heads")
 
 
