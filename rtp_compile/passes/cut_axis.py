@@ -74,6 +74,7 @@ OPS = {
     "expand": {aten.expand, "expand"},
     "slice": {aten.slice},
     "cat": {aten.cat, torch.cat},
+    "stack": {aten.stack, torch.stack},
     "softmax": {aten._softmax, aten.softmax, aten._safe_softmax, F.softmax, torch.softmax,
                 "softmax"},
     "matmul": {aten.matmul, torch.matmul, operator.matmul},
@@ -86,7 +87,11 @@ OPS = {
     "squeeze": {aten.squeeze, torch.squeeze, "squeeze"},
     "size": {aten.sym_size, "size"},
     "split": {aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, torch.split,
-              torch.chunk, "split", "chunk", "unbind"},
+              torch.chunk, torch.unbind, "split", "chunk", "unbind"},
+    "getitem": {operator.getitem},
+    "repeat_interleave": {aten.repeat_interleave, torch.repeat_interleave, "repeat_interleave"},
+    "view_as_complex": {aten.view_as_complex, torch.view_as_complex},
+    "view_as_real": {aten.view_as_real, torch.view_as_real},
 }
 ATTENTION = OPS["sdpa"] | OPS["softmax"] | OPS["matmul"]
 
@@ -145,6 +150,18 @@ def _same(a, b) -> bool:
 
 def _prod(sizes):
     return None if any(s is None for s in sizes) else sympy.Mul(*sizes)
+
+
+def _resized(shape: tuple | None, dim: int, size) -> tuple | None:
+    """`shape` with its dim `dim` (negative) of `size` (sympy); None where unknown."""
+    if shape is None or size is None:
+        return None
+    return shape[:len(shape) + dim] + (size,) + shape[len(shape) + dim + 1:]
+
+
+def _own_size(node: fx.Node, dim: int, rank: int):
+    """A size of its own for dim `dim` of `node`'s value (a symbol, as at fx level)."""
+    return sympy.Symbol(f"{node.name}_{rank + dim}", positive=True, integer=True)
 
 
 def _neg(dim: int, rank: int | None, what: str) -> int:
@@ -253,11 +270,10 @@ class CutWalk:
         return Cut(cut.dim, cut.size, shape)
 
     def _same_shape(self, node):
-        cut = self._cut_arg(node, node.args[0])
-        for i, a in enumerate(node.args[1:], 1):
-            if isinstance(a, fx.Node) and isinstance(self._of(a), Cut):
-                raise NotExact(f"{node.name} reads a second cut value")
-        return cut
+        """A copy or cast of its first argument; a second tensor (type_as, to(other)) gives
+        only its dtype and device, so it may be cut or not (`cos.type_as(q)`: no cut)."""
+        cut = self._of(node.args[0])
+        return cut if isinstance(cut, Cut) else None
 
     def _dropout(self, node):
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
@@ -331,7 +347,7 @@ class CutWalk:
         cut = self._cut_arg(node, node.args[0])
         dim = _neg(node.args[1], len(cut.shape) if cut.shape else None, node.name)
         if dim == cut.dim:
-            self._split(node)
+            _packed(node)
         return Cut(cut.dim + 1 if dim > cut.dim else cut.dim, cut.size)
 
     def _regroup(self, node, cut: Cut, out: tuple, sizes: list, path) -> Cut:
@@ -394,6 +410,18 @@ class CutWalk:
         return Cut(order.index(cut.dim) - rank, cut.size,
                    tuple(cut.shape[d] for d in order) if cut.shape else None)
 
+    def _view_as_complex(self, node):
+        """Pairs of the last dim as complex numbers (torchtitan's rotary): the pairs stay beside
+        the cut, which keeps its place counted from the dims before them."""
+        cut = self._cut_arg(node, node.args[0])
+        if cut.dim == -1:
+            raise NotExact(f"{node.name} reads the head axis as (real, imaginary) pairs")
+        return Cut(cut.dim + 1, cut.size, cut.shape[:-1] if cut.shape else None)
+
+    def _view_as_real(self, node):
+        cut = self._cut_arg(node, node.args[0])
+        return Cut(cut.dim - 1, cut.size, cut.shape + (sympy.Integer(2),) if cut.shape else None)
+
     def _unsqueeze(self, node):
         cut = self._cut_arg(node, node.args[0])
         rank = len(cut.shape) if cut.shape else None
@@ -413,16 +441,54 @@ class CutWalk:
             raise NotExact(f"{node.name} slices the head axis")
         return Cut(cut.dim, cut.size)
 
-    def _cat(self, node):
-        tensors = node.args[0]
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        cuts = [self._of(t) for t in tensors]
+    def _repeat_interleave(self, node):
+        """Each head repeated r times in place (GQA's kv heads for their q heads): a shard's
+        whole groups, repeated, are the same groups of the repeated axis."""
+        cut = self._cut_arg(node, node.args[0])
+        names = ("repeats", "dim", "output_size")
+        args = dict(zip(names, node.args[1:])) | {k: v for k, v in node.kwargs.items()
+                                                  if k in names}
+        repeats, dim = args.get("repeats"), args.get("dim")
+        if not isinstance(repeats, int) or dim is None:
+            raise NotExact(f"{node.name}: repeat_interleave with tensor repeats or without a dim")
+        dim = _neg(dim, len(cut.shape) if cut.shape else None, node.name)
+        shape = _resized(cut.shape, dim, cut.shape[dim] * repeats) if cut.shape else None
+        if dim != cut.dim:
+            return Cut(cut.dim, cut.size, shape)
+        if args.get("output_size") is not None:
+            path = ("args", 3) if len(node.args) > 3 else ("kwargs", "output_size")
+            self._rewrite(node, Rewrite(path, "size", cut.size * repeats))
+        return Cut(cut.dim, cut.size * repeats, shape)
+
+    def _cut_alike(self, node) -> tuple[list[Cut], int]:
+        """(cuts, dim) of cat / stack: every tensor cut alike, or NotExact."""
+        cuts = [self._of(t) for t in node.args[0]]
         cut = cuts[0]
         if not all(isinstance(c, Cut) and (c.dim, c.size) == (cut.dim, cut.size) for c in cuts):
-            raise NotExact(f"{node.name} concatenates values not cut alike")
-        if _neg(dim, len(cut.shape) if cut.shape else None, node.name) == cut.dim:
+            raise NotExact(f"{node.name} joins values not cut alike")
+        return cuts, node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+
+    def _stack(self, node):
+        """Values cut alike stacked on a new dim (torchtune's rotary pairs), beside the cut."""
+        cuts, dim = self._cut_alike(node)
+        cut = cuts[0]
+        rank = len(cut.shape) if cut.shape else None
+        dim = _neg(dim, None if rank is None else rank + 1, node.name)
+        shape = None
+        if cut.shape:
+            at = rank + 1 + dim
+            shape = cut.shape[:at] + (sympy.Integer(len(cuts)),) + cut.shape[at:]
+        return Cut(cut.dim if dim < cut.dim else cut.dim - 1, cut.size, shape)
+
+    def _cat(self, node):
+        cuts, dim = self._cut_alike(node)
+        cut = cuts[0]
+        dim = _neg(dim, len(cut.shape) if cut.shape else None, node.name)
+        if dim == cut.dim:
             raise NotExact(f"{node.name} concatenates along the head axis")
-        return Cut(cut.dim, cut.size)
+        if not all(c.shape and len(c.shape) == len(cut.shape) for c in cuts):
+            return Cut(cut.dim, cut.size)
+        return Cut(cut.dim, cut.size, _resized(cut.shape, dim, sum(c.shape[dim] for c in cuts)))
 
     @staticmethod
     def _dim_is_cut(node, cut) -> bool:
@@ -468,7 +534,39 @@ class CutWalk:
         return None
 
     def _split(self, node):
-        raise NotExact(f"{node.name} splits one packed projection (q, k, v in one weight): a "
-                       f"shard of it would not hold matching q, k and v heads")
+        """split / chunk / unbind beside the cut (rotary's halves of each head): every piece
+        keeps the cut (a piece of unbind loses the dim it was taken on). The node's value is
+        the pieces; its Cut is each piece's, read by `_getitem`."""
+        cut = self._cut_arg(node, node.args[0])
+        at = 1 if _unbinds(node) else 2
+        dim = node.args[at] if len(node.args) > at else node.kwargs.get("dim", 0)
+        dim = _neg(dim, len(cut.shape) if cut.shape else None, node.name)
+        if dim == cut.dim:
+            _packed(node)
+        shape = cut.shape
+        if _unbinds(node):
+            return Cut(cut.dim + 1 if dim > cut.dim else cut.dim, cut.size,
+                       shape[:len(shape) + dim] + shape[len(shape) + dim + 1:] if shape else None)
+        return Cut(cut.dim, cut.size, _resized(shape, dim, _own_size(node, dim, len(shape)))
+                   if shape else None)
+
+    def _getitem(self, node):
+        """One piece of a split beside the cut: the cut of every piece."""
+        source, index = node.args
+        if op_kind(source) != "split" or not isinstance(index, int):
+            raise NotExact(f"{node.name} indexes a value cut on the head axis")
+        return self._cut_arg(node, source)
+
+
+def _unbinds(node: fx.Node) -> bool:
+    """unbind: its pieces lose the dim they are taken on (split, chunk: they keep it)."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name.split(".")[0] == "unbind"
+
+
+def _packed(node: fx.Node):
+    """A split / select of the head axis itself: what unpacks q, k, v from one weight."""
+    raise NotExact(f"{node.name} splits one packed projection (q, k, v in one weight): a "
+                   f"shard of it would not hold matching q, k and v heads")
 
 

@@ -9,10 +9,13 @@ is never concatenated.
 
 Invariant: a block is fused only where that is exact: every op of its region computes a shard's
 slice of the cut axis from the inputs' slices (`passes.cut_axis`: pointwise ops, head-wise
-attention, views and transposes that carry the axis, sizes and per-head operands rewritten per
-shard), shards hold whole groups of that axis (an MLP's hidden units; a kv head with its q
-heads), nothing outside the block reads a value of it, no parameter of the block is read
-anywhere else, and nothing the region reads from outside carries a gradient from a parameter.
+attention, views and transposes that carry the axis, splits beside it, kv heads repeated for
+their q heads, sizes and per-head operands rewritten per shard), shards hold whole groups of
+that axis (an MLP's hidden units; a kv head with its q heads), nothing outside the block reads
+a value of it, no parameter of the block is read anywhere else, and nothing the region reads
+from outside carries a gradient from a parameter. Heads are the projections whose data (not
+only sizes or dtype) reaches the last layer: rotary tables an earlier block made from its q
+sizes do not make that block's projections heads of this one.
 Attention blocks that are not fused are listed in `plan.unfused` with the reason.
 """
 from __future__ import annotations
@@ -65,10 +68,12 @@ def _is_head(unit: Unit) -> bool:
     return unit.kind == "rotate" and unit.call.rule.name == "linear" and unit.mode == "col"
 
 
-def _is_shape_read(node: fx.Node) -> bool:
-    """A read of sizes only (x.size(), x.shape, aten.sym_size): it carries no gradient."""
+def _is_metadata_read(node: fx.Node) -> bool:
+    """A read of sizes, dtype or device only (x.size(), x.shape, x.dtype, aten.sym_size): it
+    carries no gradient and none of the value's data."""
     return op_kind(node) == "size" or (node.op == "call_function" and node.target is getattr
-                                       and node.args[1:] == ("shape",))
+                                       and node.args[1:2] in (("shape",), ("dtype",),
+                                                              ("device",)))
 
 
 class BlockFinder:
@@ -85,11 +90,15 @@ class BlockFinder:
         self.stop_at_units = self.graph.copy()
         self.stop_at_units.remove_edges_from(
             [(i, u) for u in self.units for i in self.graph.predecessors(u)])
-        # edges into size reads removed: ancestors in `gradient` are what a value's gradient
-        # flows back to
+        # edges into metadata reads removed: ancestors in `gradient` are what a value's
+        # gradient flows back to, descendants what depends on a value's data
+        metadata_reads = [(i, n) for n in gm.graph.nodes if _is_metadata_read(n)
+                          for i in n.all_input_nodes]
         self.gradient = self.graph.copy()
-        self.gradient.remove_edges_from(
-            [(i, n) for n in gm.graph.nodes if _is_shape_read(n) for i in n.all_input_nodes])
+        self.gradient.remove_edges_from(metadata_reads)
+        # both: ancestors in `data_to_units` are the nearest units a value's data comes from
+        self.data_to_units = self.stop_at_units.copy()
+        self.data_to_units.remove_edges_from(metadata_reads)
         self.weighted = set(self.units) | set(parameter_reads(gm))
         self.readers = {name: len(plan.units_of(name)) for name in plan.params}
 
@@ -97,8 +106,9 @@ class BlockFinder:
         """(heads, region nodes, attention?) between the nearest column-split linears above
         `tail` and its input, or None where no column-split linear feeds it."""
         t_in = self.nodes[tail.call.input]
+        # through data only: rotary tables made from an earlier block's q sizes bring no head
         above = {t_in} if t_in in self.units else \
-            nx.ancestors(self.stop_at_units, t_in) & set(self.units)
+            nx.ancestors(self.data_to_units, t_in) & set(self.units)
         heads = sorted((n for n in above if _is_head(self.units[n])), key=self.order.get)
         if not heads:
             return None
@@ -107,6 +117,25 @@ class BlockFinder:
         region = sorted((below & (nx.ancestors(self.stop_at_units, t_in) | {t_in})) - set(heads),
                         key=self.order.get)
         return heads, region, any(is_attention(n) for n in region)
+
+    def _read_only_inside(self, members: set, heads, tail_node) -> None:
+        """NotExact naming the first value of the block read outside it, and why that stops the
+        block: a value from the heads' data exists per shard only as its heads' slice."""
+        outside = {m: min(set(self.graph.successors(m)) - members - {tail_node},
+                          key=self.order.get, default=None) for m in members}
+        value = min((m for m, r in outside.items() if r is not None), key=self.order.get,
+                    default=None)
+        if value is None:
+            return
+        reader = outside[value].name
+        if any(nx.has_path(self.gradient, h, value) for h in heads):
+            raise NotExact(f"{value.name}, computed from the heads, is also read outside the "
+                           f"block (by {reader}; k or v kept as a cache, attention weights "
+                           f"returned): a shard holds only its heads' slice of it")
+        raise NotExact(f"{value.name} is made from the sizes or dtype of the block's values (not "
+                       f"their data) and read outside it (by {reader}): at fx level they are not "
+                       f"known to be its input's; pass example_inputs (torch.export reads them "
+                       f"from the input)")
 
     def check(self, tail: Unit, heads, region) -> CutWalk:
         """The cut walk of the block, or NotExact with the first reason it is not exact."""
@@ -118,14 +147,13 @@ class BlockFinder:
         if any(u not in self.plan.units for u in units):
             raise NotExact("a head already belongs to another fused block")
         members = set(region) | set(heads)
-        if any(set(self.graph.successors(m)) - members - {tail_node} for m in members):
-            raise NotExact("a value of the block is read outside it")
+        self._read_only_inside(members, heads, tail_node)
         params = [p for u in units + [tail] for p in u.params.values()]
         if any(self.readers[p] != 1 for p in params):
             raise NotExact("a parameter of the block is tied or read elsewhere")
         for ext in {i for n in region for i in n.all_input_nodes} - members:
             carriers = (nx.ancestors(self.gradient, ext) | {ext}) & self.weighted
-            if carriers and not _is_shape_read(ext):
+            if carriers and not _is_metadata_read(ext):
                 raise NotExact(f"its operand {ext.name} is computed from parameters (through "
                                f"{min(carriers, key=self.order.get).name}): the fused unit does "
                                f"not carry that gradient out")
