@@ -56,7 +56,8 @@ def test_every_parameter_is_rotated_or_gathered_with_a_reason():
     reasons = {u.target: u.reason for u in plan.units if u.kind == "gather"}
     assert reasons["einsum"] == "no shard rule for einsum"
     assert reasons["expand"] == "no shard rule for expand"  # batch_w and cls, expanded by B
-    assert "reads parameters where its rule expects activations" in reasons["mul"]
+    # h * (scale * 2): the chain is seen through, but a 0-d scale scales all of h
+    assert "scale has no dim larger than 1" in reasons["mul"]
     assert plan.params["mix"].dim is None  # gathered only: cut flat, evenly
 
 
