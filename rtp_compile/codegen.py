@@ -177,8 +177,8 @@ class RankEmitter:
             out = self._fused_step(unit, s, x_p, held, slots, shapes,
                                    [env[e] for e in rest[len(roles):]])
         else:
-            out = unit.call.rule.forward_step(unit.mode, unit.call.options, x_p, held, slots,
-                                              shapes)
+            options = unit.call.run_options([proxy(e) for e in rest[len(roles):]])
+            out = unit.call.rule.forward_step(unit.mode, options, x_p, held, slots, shapes)
         self.tracer.label = None
         if out is None:
             return None

@@ -12,6 +12,10 @@ outputs, or sum them), and gives two functions written in plain torch ops:
   the travelling accumulator (so no separate gradient buffer is allocated).
 
 Shards arrive padded (`rtp_compile.layout`); the steps read only their real part.
+
+An elementwise op may read its parameter through a chain (`w.to(x.dtype)`, `1 + w`,
+`w.view(1, 1, -1)`): `OpCall.options` then holds the steps (`Step`) and the shape the op sees,
+and the rule applies them to each shard's real part; its gradient goes back through them.
 """
 from __future__ import annotations
 
@@ -40,6 +44,39 @@ class OpCall:
     input: Any                       # name of the activation node the op consumes
     params: dict[str, str]           # role ("weight", "bias") -> parameter name
     options: dict = field(default_factory=dict)
+    # what the parameter chain reads at run time, as (node name, attribute or None): the dtype
+    # of `w.to(x.dtype)` or `w.type_as(x)`; the unit's marker carries their values
+    externals: list[tuple[str, str | None]] = field(default_factory=list)
+
+    def run_options(self, values) -> dict:
+        """`options` with the externals' values (proxies when traced) under "externals"."""
+        return {**self.options, "externals": tuple(values)} if self.externals else self.options
+
+
+@dataclass(frozen=True)
+class External:
+    """An argument of a `Step` known only at run time: the value of the call's external `index`."""
+    index: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One op between a parameter's read and its elementwise use, as the graph calls it:
+    `target` (a function, or a tensor method's name) with the parameter so far inserted into
+    `args` at `param_at`; `External`s in `args` / `kwargs` are read at run time."""
+    target: Any
+    param_at: int
+    args: tuple = ()
+    kwargs: tuple = ()               # (name, value) pairs
+
+    def __call__(self, w, externals=()):
+        value = lambda a: externals[a.index] if isinstance(a, External) else a  # noqa: E731
+        args = [value(a) for a in self.args]
+        args.insert(self.param_at, w)
+        kwargs = {k: value(v) for k, v in self.kwargs}
+        if isinstance(self.target, str):
+            return getattr(args[0], self.target)(*args[1:], **kwargs)
+        return self.target(*args, **kwargs)
 
 
 class Rule:
@@ -239,35 +276,60 @@ class EmbeddingRule(Rule):
 class ElementwiseRule(Rule):
     """y = x * weight + bias (either may be absent), split along one dim of the parameters.
 
-    options["dim"]: as in `affine`. Every parameter role shares the same shape.
+    options["dim"]: as in `affine`. Every parameter role shares the same shape. A parameter
+    read through a chain: options["shape"], the shape the op sees (the parameter's with size-1
+    dims added or dropped), and options["chains"][role], the `Step`s applied after that view.
     """
     name = "elementwise"
-
-    def _x_dim(self, options, shape, pdim):
-        return options["dim"] if options["dim"] >= 0 else pdim - len(shape)
 
     def modes(self, shapes, options):
         shape = next(iter(shapes.values()))
         if options["dim"] >= 0:
             return {"dim0": {role: 0 for role in shapes}}
-        dims = [d for d in reversed(range(len(shape))) if shape[d] > 1] or [len(shape) - 1]
-        return {f"dim{d}": {role: d for role in shapes} for d in dims}
+        return {f"dim{d}": {role: d for role in shapes} for d in reversed(range(len(shape)))
+                if shape[d] > 1}
 
     def combine(self, mode, options, shapes):
         return Combine("cat", self._mode_dims(mode, options, shapes)[1])
 
+    @staticmethod
+    def _seen_dim(options, shape, pdim):
+        """The dim of the shape the op sees that parameter dim `pdim` becomes (the view keeps
+        the order of the dims larger than 1)."""
+        seen = options.get("shape", shape)
+        if seen == shape:
+            return pdim, seen
+        big = [d for d, n in enumerate(seen) if n != 1]
+        return big[[d for d, n in enumerate(shape) if n != 1].index(pdim)], seen
+
     def _mode_dims(self, mode, options, shapes):
         shape = next(iter(shapes.values()))
         pdim = int(mode[3:])
-        return pdim, self._x_dim(options, shape, pdim)
+        if options["dim"] >= 0:
+            return pdim, options["dim"]
+        sdim, seen = self._seen_dim(options, shape, pdim)
+        return pdim, sdim - len(seen)
+
+    def _seen(self, role, w, pdim, valid, options, shapes):
+        """A shard's real part (`valid` long on `pdim`) as the op uses it: viewed, then through
+        its chain."""
+        if "shape" in options:
+            sdim, seen = self._seen_dim(options, shapes[role], pdim)
+            w = w.reshape(seen[:sdim] + (valid,) + seen[sdim + 1:])
+        for step in options.get("chains", {}).get(role, ()):
+            w = step(w, options.get("externals", ()))
+        return w
+
+    def _params(self, pdim, slot, shards, options, shapes):
+        return {role: self._seen(role, real_part(shards[role], pdim, slot), pdim, slot.valid,
+                                 options, shapes) for role in ("weight", "bias") if role in shards}
 
     def forward_step(self, mode, options, x, shards, slots, shapes):
         pdim, xdim = self._mode_dims(mode, options, shapes)
         slot = next(iter(slots.values()))
         x_s = x.narrow(xdim, slot.offset, slot.valid)
-        weight = real_part(shards["weight"], pdim, slot) if "weight" in shards else None
-        bias = real_part(shards["bias"], pdim, slot) if "bias" in shards else None
-        return affine(x_s, weight, bias, options["dim"])
+        params = self._params(pdim, slot, shards, options, shapes)
+        return affine(x_s, params.get("weight"), params.get("bias"), options["dim"])
 
     def _step_operands(self, mode, options, dy, x, slots, shapes):
         pdim, xdim = self._mode_dims(mode, options, shapes)
@@ -277,7 +339,7 @@ class ElementwiseRule(Rule):
 
     def input_grad(self, mode, options, dy, x, shards, slots, shapes, dx):
         pdim, xdim, slot, x_s, dy_s = self._step_operands(mode, options, dy, x, slots, shapes)
-        weight = real_part(shards["weight"], pdim, slot) if "weight" in shards else None
+        weight = self._params(pdim, slot, shards, options, shapes).get("weight")
         dx_s = dy_s if weight is None else affine(dy_s, weight, None, options["dim"])
         dx.narrow(xdim, slot.offset, slot.valid).add_(dx_s.sum_to_size(x_s.shape))
 
@@ -289,10 +351,16 @@ class ElementwiseRule(Rule):
                 return t.sum([d for d in range(t.dim()) if d != options["dim"]])
             return t.sum_to_size(target.shape)
 
-        if "weight" in into:
-            into["weight"].add_(reduced(dy_s * x_s, into["weight"]))
-        if "bias" in into:
-            into["bias"].add_(reduced(dy_s, into["bias"]))
+        for role in into:
+            g = dy_s * x_s if role == "weight" else dy_s
+            if "shape" not in options and role not in options.get("chains", {}):
+                into[role].add_(reduced(g, into[role]))
+                continue
+            # back through the view and the chain, as autograd takes the unsharded model's
+            w = real_part(shards[role], pdim, slot).detach().requires_grad_()
+            with torch.enable_grad():
+                seen = self._seen(role, w, pdim, slot.valid, options, shapes)
+            into[role].add_(torch.autograd.grad(seen, w, reduced(g, seen).to(seen.dtype))[0])
 
 
 RULES: dict[str, Rule] = {r.name: r for r in (LinearRule(), ConvRule(), EmbeddingRule(),

@@ -401,6 +401,29 @@ def parity_without(rank: int, world_size: int, cases: list, seed: int, steps: in
     return results
 
 
+def decoder_parity(rank: int, world_size: int, cases: list, seed: int, steps: int = 2) -> dict:
+    """Per (model, transform options): train_next_to_ddp's errors, the program's report and the
+    kinds of the units that read each parameter. A decoder of tests/decoders.py is exported; a
+    model of tests/zoo.py is captured by torch.fx."""
+    from decoders import DECODERS, build_decoder, decoder_batch
+    results = {}
+    for name, options in cases:
+        if name in DECODERS:
+            model, example = build_decoder(name, seed), (decoder_batch(seed, 0),)
+            batches = [decoder_batch(seed, rank, step) for step in range(steps)]
+        else:
+            model, example = build(name, seed), None
+            batches = [batch(name, seed, rank, step) for step in range(steps)]
+        prog = rtp_compile.transform(model, world_size, example_inputs=example, **options)
+        key = (name, tuple(sorted(options.items())))
+        results[key] = train_next_to_ddp(prog, prog.module(rank), model, batches, seed,
+                                         lambda m, x: m(x), lambda o: o)
+        results[key + ("report",)] = prog.report()
+        results[key + ("kinds",)] = {p: [u.kind for u in prog.plan.units_of(p)]
+                                     for p in prog.plan.params}
+    return results
+
+
 def across_a_recreated_group(rank: int, world_size: int, port: int, seed: int) -> dict:
     """A module trained, the job's process group destroyed and created again (another store,
     another timeout), the same module trained again: the ring finds the new group's peers."""

@@ -1,6 +1,7 @@
 """Each pass on small graphs, in one process: the invariant its docstring states."""
 import copy
 import itertools
+import operator
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 
 import rtp_compile
 from rtp_compile.capture import capture
-from rtp_compile.op_rules import RULES, OpCall
+from rtp_compile.op_rules import RULES, External, OpCall, Step
 from rtp_compile.passes.lower_modules import lower_modules
 from rtp_compile.passes.match import match_op, parameter_reads
 from rtp_compile.layout import ParamLayout
@@ -56,7 +57,8 @@ def test_every_parameter_is_rotated_or_gathered_with_a_reason():
     reasons = {u.target: u.reason for u in plan.units if u.kind == "gather"}
     assert reasons["einsum"] == "no shard rule for einsum"
     assert reasons["expand"] == "no shard rule for expand"  # batch_w and cls, expanded by B
-    assert "reads parameters where its rule expects activations" in reasons["mul"]
+    # h * (scale * 2): the chain is seen through, but a 0-d scale scales all of h
+    assert "scale has no dim larger than 1" in reasons["mul"]
     assert plan.params["mix"].dim is None  # gathered only: cut flat, evenly
 
 
@@ -187,6 +189,15 @@ RULE_CASES = [
      lambda x, p: x * p["weight"] + p["bias"]),
     ("elementwise", {"dim": 1}, {"weight": (5,), "bias": (5,)}, (2, 5, 3, 3),
      lambda x, p: x * p["weight"].view(5, 1, 1) + p["bias"].view(5, 1, 1)),
+    # parameters read through a chain (tests/test_casted_weights.py): a view adding size-1
+    # dims, casts (one to a dtype given at run time), scalar arithmetic on either side
+    ("elementwise", {"dim": -1, "shape": (1, 7, 1, 3), "chains": {"weight": (
+        Step(torch.ops.aten.to.dtype, 0, (torch.float32,)), Step(operator.sub, 1, (1.0,)))}},
+     {"weight": (7, 3)}, (2, 7, 4, 3),
+     lambda x, p: x * (1.0 - p["weight"].float().view(1, 7, 1, 3))),
+    ("elementwise", {"dim": -1, "externals": (torch.float64,), "chains": {
+        "weight": (Step("to", 0, (External(0),)),), "bias": (Step("mul", 0, (-0.5,)),)}},
+     {"weight": (3, 7), "bias": (3, 7)}, (2, 3, 7), lambda x, p: x * p["weight"] - p["bias"] / 2),
 ]
 
 

@@ -175,6 +175,33 @@ class MidBackwardFailure(nn.Module):
         return self.fc3(self.norm(torch.tanh(self.fc2(h))))
 
 
+def _rms(h):
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class CastNorms(nn.Module):
+    """RMSNorm weights and a layer scale read through casts, views that add size-1 dims and
+    arithmetic with Python scalars, spelled so torch.fx traces it: `w.to(x.dtype)` and
+    `w.type_as(h)` (dtypes known only at run time), `w.double()`, Gemma's `1.0 + w`, `-w / 2`,
+    `s.view(1, 1, -1)` and `b[None, None, :]`. (No float32 step: a weight gradient summed in
+    float32 over a shard's columns rounds differently from one summed over all of them.)"""
+
+    def __init__(self, d=7, hidden=11, d_out=5):
+        super().__init__()
+        self.fc = nn.Linear(d, hidden)
+        self.w_to, self.w_type_as, self.w_double, self.w_gemma, self.w_neg, self.scale, \
+            self.shift = (nn.Parameter(1 + 0.1 * torch.randn(hidden)) for _ in range(7))
+        self.head = nn.Linear(hidden, d_out)
+
+    def forward(self, x):                            # x: [B, T, d]
+        h = _rms(self.fc(x)) * self.w_to.to(x.dtype)
+        h = _rms(h) * self.w_type_as.type_as(h)
+        h = (_rms(h) * self.w_double.double()).type_as(x)
+        h = _rms(h) * (1.0 + self.w_gemma) * (-self.w_neg / 2)
+        h = torch.tanh(h) * self.scale.view(1, 1, -1) + self.shift[None, None, :]
+        return self.head(h)
+
+
 def tiny_gpt():
     return TinyGPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10))
 
@@ -194,6 +221,7 @@ ZOO = {
     "attention": (HandAttention, lambda g: torch.randn(2, 5, 10, generator=g, dtype=torch.float64)),
     "midfail": (MidBackwardFailure,
                 lambda g: torch.randn(4, 3, 7, generator=g, dtype=torch.float64)),
+    "castnorms": (CastNorms, lambda g: torch.randn(2, 5, 7, generator=g, dtype=torch.float64)),
 }
 
 

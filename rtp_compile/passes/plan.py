@@ -16,7 +16,8 @@ import torch.fx as fx
 
 from rtp_compile.layout import ParamLayout
 from rtp_compile.op_rules import OpCall
-from rtp_compile.passes.match import match_op, parameter_reads, why_not_sharded
+from rtp_compile.passes.match import (chain_input, dtype_inputs, match_op, parameter_reads,
+                                      why_not_sharded)
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
 from rtp_compile.tables import format_table
 
@@ -91,15 +92,17 @@ def unique_name(base: str, taken: set[str]) -> str:
 
 
 def parameter_only_nodes(gm: fx.GraphModule, reads: dict[fx.Node, str]) -> nx.DiGraph:
-    """Parameter reads and the nodes computed from parameters and constants alone (w.t(), w*2),
-    as a dependency graph (edge: input -> user)."""
+    """Parameter reads and the nodes computed from parameters and constants alone (w.t(), w*2,
+    w.to(x.dtype): a cast reads only the dtype of its other inputs), as a dependency graph
+    (edge: input -> user)."""
     constant = {n for n in gm.graph.nodes if n.op == "get_attr"}
     only = nx.DiGraph()
     only.add_nodes_from(reads)
     for node in gm.graph.nodes:
-        inputs = node.all_input_nodes
-        if node.op in ("call_function", "call_method") and inputs and \
-                all(i in only or i in constant for i in inputs) and any(i in only for i in inputs):
+        inputs, dtypes = node.all_input_nodes, dtype_inputs(node)
+        values = [i for i in inputs if i not in dtypes]
+        if node.op in ("call_function", "call_method") and values and \
+                all(i in only or i in constant for i in values) and any(i in only for i in values):
             only.add_edges_from((i, node) for i in inputs if i in only)
     return only
 
@@ -154,11 +157,12 @@ def make_plan(gm: fx.GraphModule, world_size: int, params: dict[str, torch.Tenso
     order = list(shapes)
 
     consumers: dict[fx.Node, list[str]] = {}
+    closures: dict[fx.Node, list[fx.Node]] = {}
     calls: dict[fx.Node, OpCall] = {}
     for node in gm.graph.nodes:
         if node in param_only:
             continue
-        closure = consumer_closure(node, param_only)
+        closure = closures[node] = consumer_closure(node, param_only)
         names = {reads[n] for n in closure if n in reads} | set(module_params.get(node.target, []))
         if not names:
             continue
@@ -168,8 +172,9 @@ def make_plan(gm: fx.GraphModule, world_size: int, params: dict[str, torch.Tenso
                 "from parameters alone) directly; return them from a module call instead.")
         consumers[node] = sorted(names, key=order.index)
         call = match_op(node, gm, reads) if node.op == "call_function" else None
+        inside = set(closure)  # the op's reads and what its rule applies to them (w.t(), 1 + w)
         if call is not None and set(call.params.values()) == set(names) and \
-                all(n in reads or n.args[0] in reads for n in closure):
+                all(n in reads or (chain_input(n) or n.args[0]) in inside for n in closure):
             calls[node] = call
 
     dims = _choose_dims(calls, shapes)
@@ -193,7 +198,7 @@ def make_plan(gm: fx.GraphModule, world_size: int, params: dict[str, torch.Tenso
         elif match_op(node, gm, reads) is not None:
             reason = "it reads parameters through ops the rule cannot shard"
         else:
-            reason = why_not_sharded(node, gm, reads)
+            reason = why_not_sharded(node, gm, reads, closures[node])
         plan.units.append(Unit(unique_name(f"{node.name}_gather", taken), node.name, "gather",
                                {f"param{i}": p for i, p in enumerate(names)}, None, None, reason,
                                _target_name(node)))

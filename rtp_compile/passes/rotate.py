@@ -1,6 +1,7 @@
 """Weight-bearing nodes -> rank-generic unit markers.
 
-Every rotated node becomes `rotated_op(name, x, *params)`; a fused block (its first layers,
+Every rotated node becomes `rotated_op(name, x, *params, *externals)` (externals: what its
+parameter chain reads at run time, e.g. `x.dtype`); a fused block (its first layers,
 region and last layer) becomes `fused_block(name, x, *params, *externals)` with its region kept
 as a body GraphModule (externals: what the region reads from outside, e.g. an attention mask);
 every gathered node becomes `gathered_op(name, *inputs, *params)`, and the gathered op (with
@@ -72,7 +73,8 @@ def gather_body(gm: fx.GraphModule, node: fx.Node,
     functional_call.
     """
     inside = set(closure)
-    inputs = [i for i in node.all_input_nodes if i not in inside]
+    inputs = list(dict.fromkeys(i for n in (*closure, node) for i in n.all_input_nodes
+                                if i not in inside))
     graph = extract_graph([(i, i.name) for i in inputs], closure + [node], node)
     root = {}
     for n in graph.nodes:
@@ -86,8 +88,9 @@ MARKERS = {rotated_op: "rotate", fused_block: "fused", gathered_op: "gather"}
 
 def _gather_small(graph: fx.Graph, first: fx.Node, params: list[str],
                   units: list[str]) -> dict[str, fx.Node]:
-    """Before the first small op: one gathered_small node over every small parameter, and a
-    getitem per parameter (its whole tensor)."""
+    """Before `first` (the first small op, or op of a small parameter's chain): one
+    gathered_small node over every small parameter, and a getitem per parameter (its whole
+    tensor)."""
     with graph.inserting_before(first):
         marker = graph.call_function(gathered_small, tuple(graph.get_attr(p) for p in params))
         marker.meta["rtp"] = {"unit": units[0], "units": units, "step": None, "action": "small"}
@@ -131,22 +134,27 @@ def rotate(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     by_name = {n.name: n for n in graph.nodes}  # units rewritten so far map to their markers
     small = [u for u in plan.units if u.kind == "small"]
     small_params = list(dict.fromkeys(p for u in small for p in u.params.values()))
-    gathered: dict[str, fx.Node] = {}  # small parameter -> its whole tensor
+    # a small op and its parameter chain stay; they read the gathered whole tensors
+    small_ops = {n: consumer_closure(n, param_only) for n in graph.nodes
+                 if n.name in by_node and by_node[n.name].kind == "small"}
+    if small_ops:
+        chained = {n for closure in small_ops.values() for n in closure if n not in reads}
+        first = next(n for n in graph.nodes if n in small_ops or n in chained)
+        gathered = _gather_small(graph, first, small_params, [u.name for u in small])
+        for user in {n for node, closure in small_ops.items() for n in (node, *closure)}:
+            for read in [i for i in user.all_input_nodes if i in reads]:
+                user.replace_input_with(read, gathered[reads[read]])
     for node in list(graph.nodes):
         unit = by_node.get(node.name)
-        if unit is None:
-            continue
-        if unit.kind == "small":  # the op stays; it reads the gathered whole tensors
-            if not gathered:
-                gathered = _gather_small(graph, node, small_params, [u.name for u in small])
-            for read in [i for i in node.all_input_nodes if i in reads]:
-                node.replace_input_with(read, gathered[reads[read]])
+        if unit is None or unit.kind == "small":
             continue
         with graph.inserting_before(node):
             param_reads = [graph.get_attr(p) for p in unit.params.values()]
             if unit.kind == "rotate":
                 x = by_name[unit.call.input]
-                marker = graph.call_function(rotated_op, (unit.name, x, *param_reads))
+                externals = [graph.call_function(getattr, (by_name[e], attr)) if attr
+                             else by_name[e] for e, attr in unit.call.externals]
+                marker = graph.call_function(rotated_op, (unit.name, x, *param_reads, *externals))
             elif unit.kind == "fused":
                 bodies[unit.name] = region_body(gm, unit.fusion)
                 x = by_name[unit.fusion.heads[0].call.input]

@@ -214,13 +214,14 @@ class _BucketGrads:
 
 
 class RotatedOpRuntime(UnitRuntime):
-    """One rotated op: its rule's step backward, nothing saved but the activation."""
+    """One rotated op: its rule's step backward, nothing saved but the activation (and the
+    values its parameter chain reads, such as a dtype: `saved`)."""
 
     def __init__(self, name, call, mode, layouts, rank, world_size, group_name, schedule,
                  grad_scale):
         super().__init__(name, call.params, layouts, rank, world_size, group_name, schedule,
                          grad_scale)
-        self.rule, self.mode, self.options = call.rule, mode, call.options
+        self.rule, self.mode, self.call = call.rule, mode, call
 
     def extra_repr(self) -> str:
         dims = ", ".join(f"{r}: dim {lay.dim}" for r, lay in zip(self.roles, self.layouts))
@@ -228,10 +229,12 @@ class RotatedOpRuntime(UnitRuntime):
 
     def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
         if dx is not None:
-            self.rule.input_grad(self.mode, self.options, dy, x, shards, slots, self.shapes, dx)
+            self.rule.input_grad(self.mode, self.call.run_options(saved), dy, x, shards, slots,
+                                 self.shapes, dx)
 
     def step_weight_grads(self, shard, dy, x, shards, slots, saved, into, scratch):
-        self.rule.weight_grads(self.mode, self.options, dy, x, shards, slots, self.shapes, into)
+        self.rule.weight_grads(self.mode, self.call.run_options(saved), dy, x, shards, slots,
+                               self.shapes, into)
 
 
 def ring_all_gather(own: list[torch.Tensor], layouts, rank: int, world_size: int,
