@@ -3,8 +3,9 @@
 The schedule pass has written every unit's steps and ring hops into the program; codegen fills
 in the rank: each `unit_step` becomes the rule's `forward_step` traced for the shard the rank
 holds at that step (its offsets as constants, so `print(gm.code)` reads as the schedule),
-`unit_combine` the parts in shard order, `unit_autograd` the unit's runtime module (handed its
-backward events), the hops get the rank's process group. Nodes of a unit keep their label
+`unit_combine` the parts concatenated in shard order or summed as the steps go (each added
+right after its step), `unit_autograd` the unit's runtime module (handed its backward events),
+the hops get the rank's process group. Nodes of a unit keep their label
 `node.meta["rtp"] = {"unit", "step", "action"}`.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rtp_compile.passes.schedule import (LabellingTracer, bucket_params, unit_au
                                          unit_combine, unit_step)
 from rtp_compile.runtime.bucket import BucketRuntime
 from rtp_compile.runtime.events import forward_shard
+from rtp_compile.runtime.graph_ops import add_into
 from rtp_compile.runtime.fused import LINEAR, FusedBlockRuntime, head_groups, sub_roles
 from rtp_compile.runtime import ring
 from rtp_compile.runtime.ring import BufferBroadcast, JobCheck
@@ -203,22 +205,34 @@ class RankEmitter:
         return LINEAR.row_partial(fusion.tail.call.options, hidden, *tail)
 
     def _combine(self, node: fx.Node, env) -> fx.Node:
-        """The steps' parts in shard order, concatenated or summed as the rule says."""
+        """The steps' parts concatenated in shard order, or summed as the steps go, as the rule
+        says."""
         name, parts = node.args
         unit = self.units[name]
-        by_shard = {forward_shard(self.rank, p.args[1], self.n): env[p] for p in parts}
-        ordered = [by_shard[s] for s in sorted(by_shard) if by_shard[s] is not None]
         _, _, shapes = self._layouts(unit)
         combine = Combine("sum") if unit.kind == "fused" else \
             unit.call.rule.combine(unit.mode, unit.call.options, shapes)
+        if combine.how == "sum":
+            return self._running_sum(name, parts, env)
+        by_shard = {forward_shard(self.rank, p.args[1], self.n): env[p] for p in parts}
+        ordered = [by_shard[s] for s in sorted(by_shard) if by_shard[s] is not None]
         self.tracer.label = {"unit": name, "step": self.n - 1, "action": "combine"}
-        if combine.how == "cat":
-            y = self.tracer.create_node("call_function", torch.cat, (ordered, combine.dim), {},
-                                        name=f"{name}_out")
-        else:
-            y = ordered[0]
-            for part in ordered[1:]:
-                y = self.tracer.create_node("call_function", operator.add, (y, part), {},
+        y = self.tracer.create_node("call_function", torch.cat, (ordered, combine.dim), {},
+                                    name=f"{name}_out")
+        self.tracer.label = None
+        return y
+
+    def _running_sum(self, name: str, parts, env) -> fx.Node:
+        """A sum's parts added up in step order, each right after its step: a row split's (and
+        a fused block's) every part has the size of the whole output, so adding them at the
+        end would keep N output-sized tensors alive at once (the tied head's logits N times)."""
+        steps = sorted(parts, key=lambda p: p.args[1])
+        computed = [(p.args[1], env[p]) for p in steps if env[p] is not None]
+        (_, y), rest = computed[0], computed[1:]
+        for k, part in rest:
+            self.tracer.label = {"unit": name, "step": k, "action": "combine"}
+            with self.graph.inserting_after(part):
+                y = self.tracer.create_node("call_function", add_into, (y, part), {},
                                             name=f"{name}_sum")
         self.tracer.label = None
         return y

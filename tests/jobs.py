@@ -210,6 +210,42 @@ def buffer_peaks(rank: int, world_size: int, seed: int) -> dict:
             "kinds": sorted(u.kind for u in prog.plan.units)}
 
 
+class SizeTracker(torch.utils._python_dispatch.TorchDispatchMode):
+    """How many tensors of one byte size (storages, not views) any op created that are alive
+    at once, at most."""
+
+    def __init__(self, nbytes: int):
+        super().__init__()
+        self.nbytes, self.alive, self.peak = nbytes, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() == self.nbytes:
+                self.alive[t.untyped_storage().data_ptr()] = weakref.ref(t.untyped_storage())
+        self.alive = {k: r for k, r in self.alive.items() if r() is not None}
+        self.peak = max(self.peak, len(self.alive))
+        return out
+
+
+def summed_output_peak(rank: int, world_size: int, seed: int) -> dict:
+    """Logits-sized tensors alive at once in the forward of a GPT whose head is tied to its
+    embedding (a row split: every step's part is the size of the whole logits), and the
+    logits' error against the unsharded model."""
+    from rtp_compile.models import GPTConfig, TinyGPT
+    torch.manual_seed(seed)
+    model = TinyGPT(GPTConfig(vocab_size=211, block_size=8, n_layer=1, n_head=2,
+                              n_embd=16)).double()
+    prog = rtp_compile.transform(model, world_size)
+    gm = prog.module(rank)
+    idx = torch.randint(0, 211, (3, 8), generator=torch.Generator().manual_seed(seed + rank))
+    with SizeTracker(3 * 8 * 211 * 8) as tracker:  # the logits' bytes; nothing else has them
+        out = gm(idx)
+    return {"peak": tracker.peak, "head": prog.plan.units[-1].mode,
+            "out": rel_err(out, model(idx))}
+
+
 def no_grad_then_train(rank: int, world_size: int, seed: int, bucket_bytes: int = 0) -> dict:
     """Forward under no_grad and in eval mode leaves every parameter exactly as it was, and the
     next training step still matches DDP."""

@@ -13,7 +13,7 @@ gradients, the pool holds nothing, and no communication is pending.
 import pytest
 
 import rtp_compile
-from jobs import buffer_peaks
+from jobs import buffer_peaks, summed_output_peak
 
 
 @pytest.mark.timeout(300)
@@ -30,3 +30,16 @@ def test_transient_shard_buffers_are_bounded_and_reused(world_size, seed):
         assert r["forward_bytes"] <= 2 * r["largest_message"], f"rank {rank}: {r}"
         assert 3 <= r["backward"]["peak"] <= 4, f"rank {rank}: {r}"
         assert r["leftover"] == 0 and r["pooled"] == 0 and r["pending"] == 0, f"rank {rank}: {r}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_summed_parts_are_added_as_the_steps_go(world_size, seed):
+    """A row split's step outputs each have the size of the whole output (the tied head's: the
+    logits); they are added into one running sum right after each step, so at most two are
+    alive at once at any N (it was N + 1: N parts, then their sum)."""
+    results = rtp_compile.launch(summed_output_peak, world_size, args=(seed,), timeout=120)
+    for rank, r in enumerate(results):
+        assert r["head"] == "row", r
+        assert r["peak"] == 2, f"rank {rank}: {r}"
+        assert r["out"] <= 1e-12, f"rank {rank}: {r}"

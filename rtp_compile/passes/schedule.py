@@ -5,10 +5,10 @@ its forward steps: the unit's input and own shards detached, then for k = 0 .. N
 brings step k+1's shard started (`torch.ops.rtp.ring_shift_start`, with its message tag), step k
 computed (`unit_step`: codegen traces the rule's step for the shard the rank holds), the hop
 waited on (`ring_wait`), the pooled buffers released after the last one (`ring_release`), the
-views of what arrived taken; then `unit_combine` (codegen orders the parts by shard) and
-`unit_autograd` (the unit's runtime module, which links the result into autograd). Each unit's
-backward is a list of events with their tags, in `ctx.schedules` (`runtime.events.UnitSchedule`):
-the runtime executes it as given.
+views of what arrived taken; then `unit_combine` (codegen concatenates the parts in shard order
+or sums them as the steps go) and `unit_autograd` (the unit's runtime module, which links the
+result into autograd). Each unit's backward is a list of events with their tags, in
+`ctx.schedules` (`runtime.events.UnitSchedule`): the runtime executes it as given.
 
 Forward, step k holds shard (rank - k) mod N; at most two shards of a unit (held + incoming)
 exist besides the rank's own. Backward runs the steps in reverse (step j holds shard
@@ -106,8 +106,8 @@ def unit_step(name: str, step: int, x, *held_then_externals):
 
 
 def unit_combine(name: str, parts):
-    """Marker: the steps' partial outputs of unit `name` combined (codegen orders them by
-    shard)."""
+    """Marker: the steps' partial outputs of unit `name` combined (codegen concatenates them
+    in shard order, or sums them in step order right after each step)."""
     raise RuntimeError(f"unit {name!r} belongs to the rank-generic program: run prog.module(rank)")
 
 
