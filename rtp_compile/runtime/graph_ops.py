@@ -59,6 +59,8 @@ def add_into(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     its storage, it takes no gradient, and the sum keeps its shape and dtype (a unit's running
     sum of its step outputs, computed outside autograd); else a new tensor. Bitwise the same
     either way."""
+    if isinstance(total, fx.Proxy):  # re-traced (an unpickled module): stays one call
+        return total.tracer.create_proxy("call_function", add_into, (total, part), {})
     if not total.requires_grad and total.shape == torch.broadcast_shapes(total.shape, part.shape) \
             and total.dtype == torch.result_type(total, part) \
             and torch._C._storage_Use_Count(total.untyped_storage()._cdata) <= 2:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -59,11 +60,17 @@ def group_timeout(group) -> datetime.timedelta:
 
 @dataclass(frozen=True)
 class Peers:
-    """Who a rank sends to and receives from for one shift in one process group."""
-    group: object
+    """Who a rank sends to and receives from for one shift in one process group (held weakly:
+    a destroyed group must not live on in this cache until the interpreter's teardown, where
+    its backend's threads would be torn down too late)."""
+    group_ref: weakref.ref
     dst: int                    # global rank of (r + shift) in the group
     src: int                    # global rank of (r - shift)
     timeout: datetime.timedelta
+
+    @property
+    def group(self):
+        return self.group_ref()
 
 
 _peers: dict[tuple[str, int], Peers] = {}
@@ -77,7 +84,7 @@ def peers(group_name: str, shift: int) -> Peers:
     if known is None or known.group is not group:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         known = _peers[(group_name, shift)] = Peers(
-            group, dist.get_global_rank(group, (rank + shift) % size),
+            weakref.ref(group), dist.get_global_rank(group, (rank + shift) % size),
             dist.get_global_rank(group, (rank - shift) % size), group_timeout(group))
     return known
 
