@@ -17,40 +17,23 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+from torch.distributed._tools.mem_tracker import _ModState
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import rtp_compile
-from rtp_compile.models import GPTConfig, TinyGPT, lm_loss
+from rtp_compile.bench_memory import tracked_step
+from rtp_compile.models import GPTConfig, TinyGPT
 from rtp_compile.tables import format_table
 
 
 def measure(model: torch.nn.Module, cfg: GPTConfig, batch: int) -> dict:
     """Peak bytes of one AdamW step (overall, forward, backward) and the state after it."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(0)
-
-    def step(zero=True):
-        idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=gen)
-        lm_loss(model(idx[:, :-1]), idx[:, 1:]).backward()
-        opt.step()
-        if zero:
-            opt.zero_grad()
-
-    step()  # warm-up: AdamW allocates its state
-    tracker = MemTracker()
-    tracker.track_external(model, opt)
-    with tracker:
-        step(zero=False)
-        (after,) = tracker.get_tracker_snapshot().values()
-    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    peak, state, tracker = tracked_step(model, cfg.vocab_size, cfg.block_size, batch, seed=0)
     snaps = tracker.memory_tracking[model].snapshots
 
     def phase(state):
         return max(s["Total"] for snap in snaps.get(state, []) for s in snap.values())
 
-    state = sum(v for k, v in after.items() if str(k).rsplit(".", 1)[-1] in ("PARAM", "GRAD",
-                                                                             "OPT"))
     return {"peak": peak["Total"], "fw": phase(_ModState.PEAK_FW),
             "bw": phase(_ModState.PEAK_BW), "state": state}
 

@@ -46,35 +46,41 @@ def _wrap(kind: str, rank: int, world_size: int):
     return transform(model, world_size).module(rank)
 
 
+def tracked_step(model, vocab_size: int, block_size: int, batch: int, seed: int):
+    """One AdamW step of a language model on random tokens, after a warm-up step (AdamW makes
+    its state), under MemTracker: (bytes by category at the peak, the model state after the step
+    (parameters + gradients + optimizer), the tracker)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(seed)
+
+    def step():
+        idx = torch.randint(0, vocab_size, (batch, block_size + 1), generator=gen)
+        lm_loss(model(idx[:, :-1]), idx[:, 1:]).backward()
+        opt.step()
+
+    step()
+    opt.zero_grad()
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        step()
+        (after,) = tracker.get_tracker_snapshot().values()
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    opt.zero_grad()
+    state = sum(v for k, v in after.items()
+                if str(k).rsplit(".", 1)[-1] in ("PARAM", "GRAD", "OPT"))
+    return {str(k).rsplit(".", 1)[-1]: v for k, v in peak.items()}, state, tracker
+
+
 def measure(rank: int, world_size: int) -> dict:
     """Per kind: bytes by category at the step's peak, and the model state after the step."""
-    from torch.distributed._tools.mem_tracker import MemTracker
     results = {}
     for kind in KINDS:
         model = _wrap(kind, rank, world_size)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        gen = torch.Generator().manual_seed(rank)
-
-        def step(zero=True):
-            idx = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1),
-                                generator=gen)
-            lm_loss(model(idx[:, :-1]), idx[:, 1:]).backward()
-            opt.step()
-            if zero:
-                opt.zero_grad()
-
-        step()  # warm-up: AdamW allocates its state
-        tracker = MemTracker()
-        tracker.track_external(model, opt)
-        with tracker:
-            step(zero=False)
-            (after,) = tracker.get_tracker_snapshot().values()
-        (peak,) = tracker.get_tracker_snapshot("peak").values()
-        results[kind] = {str(k).rsplit(".", 1)[-1]: v for k, v in peak.items()}
-        results[kind]["state"] = sum(v for k, v in after.items()
-                                     if str(k).rsplit(".", 1)[-1] in ("PARAM", "GRAD", "OPT"))
-        opt.zero_grad()
-        del model, opt, tracker
+        peak, state, _ = tracked_step(model, CONFIG.vocab_size, CONFIG.block_size, BATCH, rank)
+        results[kind] = {**peak, "state": state}
+        del model
     return results
 
 

@@ -73,16 +73,24 @@ class LlamaAttention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, mask):
+    def project(self, x, cos, sin):
+        """q, k, v as [B, heads, T, head_dim], q and k rotated; k and v with the kv heads."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.kv, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.kv, self.head_dim).transpose(1, 2)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def attend(self, q, k, v, mask):
+        """The heads' outputs through wo (kv heads repeated for their q heads)."""
         rep = self.heads // self.kv
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1),
+                                           v.repeat_interleave(rep, dim=1), attn_mask=mask)
+        B, _, T, _ = q.shape
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+    def forward(self, x, cos, sin, mask):
+        return self.attend(*self.project(x, cos, sin), mask)
 
 
 class SwiGLU(nn.Module):

@@ -69,15 +69,8 @@ class KVAttention(LlamaAttention):
     """Also returns its k (after rotary) and v, before the GQA repeat: a KV-cache entry."""
 
     def forward(self, x, cos, sin, mask):
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.kv, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.kv, self.head_dim).transpose(1, 2)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        rep = self.heads // self.kv
-        y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1),
-                                           v.repeat_interleave(rep, dim=1), attn_mask=mask)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
+        q, k, v = self.project(x, cos, sin)
+        return self.attend(q, k, v, mask), (k, v)
 
 
 def complex_rotate(x, freqs_cis):
