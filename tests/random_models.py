@@ -34,10 +34,21 @@ LAYERS = st.one_of(
 
 @st.composite
 def model_specs(draw) -> dict:
-    """A random model: its layers, input width, tokens in (vocab) or not, a tied head."""
+    """A random model: its layers, input width, tokens in (vocab) or not, a tied head. It has
+    parameters (DDP, the reference, refuses a model without), and norms with statistics only
+    see widths >= 2 (over one element a norm's output is its bias whatever the input, and its
+    weight's gradient, zero in exact arithmetic, is rounding noise in every implementation)."""
     vocab = draw(st.one_of(st.none(), st.sampled_from([2, 5, 11])))
-    return {"width": draw(WIDTHS), "vocab": vocab,
-            "layers": draw(st.lists(LAYERS, min_size=1, max_size=5)),
+    width = draw(WIDTHS)
+    layers, d = [], width
+    for kind, *args in draw(st.lists(LAYERS, min_size=1, max_size=5)):
+        if kind == "norm" and args[0] != "scale" and d == 1:
+            args = ["scale"]
+        layers.append((kind, *args))
+        d = args[0] if kind in ("linear", "conv", "hooked") else d
+    if vocab is None and all(kind == "act" for kind, *_ in layers):
+        layers.append(("linear", draw(WIDTHS), True))
+    return {"width": width, "vocab": vocab, "layers": layers,
             "tied_head": vocab is not None and draw(st.booleans()),
             "capture": draw(st.sampled_from(["fx", "export"]))}
 
