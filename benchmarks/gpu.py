@@ -41,42 +41,48 @@ def cuda_ms(fn, warmup: int = 3, reps: int = 10) -> float:
 def matmul_efficiency(hiddens, ranks, tokens: int) -> list[tuple]:
     rows = []
     for h in hiddens:
-        x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
-        x4 = torch.randn(tokens, 4 * h, device="cuda", dtype=torch.bfloat16)
-        up = torch.randn(4 * h, h, device="cuda", dtype=torch.bfloat16)       # col split
-        down = torch.randn(h, 4 * h, device="cuda", dtype=torch.bfloat16)     # row split
-        whole_up = cuda_ms(lambda: F.linear(x, up))
-        whole_down = cuda_ms(lambda: F.linear(x4, down))
-        for n in ranks:
-            up_shards = list(up.chunk(n, 0))
-            down_shards = list(down.chunk(n, 1))
-            x_parts = list(x4.chunk(n, -1))
-            recv_up, recv_down = torch.empty_like(up_shards[0]), \
-                torch.empty_like(down_shards[0].contiguous())
+        rows += _efficiency_at(h, ranks, tokens)
+        torch.cuda.empty_cache()  # this width's tensors went with the call
+    return rows
 
-            def col(copy):
-                parts = []
-                for s, w in enumerate(up_shards):
-                    if copy and s < n - 1:
-                        recv_up.copy_(up_shards[s + 1])
-                    parts.append(F.linear(x, w))
-                return torch.cat(parts, -1)
 
-            def row(copy):
-                y = None
-                for s, w in enumerate(down_shards):
-                    if copy and s < n - 1:
-                        recv_down.copy_(down_shards[s + 1])
-                    part = F.linear(x_parts[s], w)
-                    y = part if y is None else y.add_(part)
-                return y
+def _efficiency_at(h: int, ranks, tokens: int) -> list[tuple]:
+    """Rows of matmul_efficiency for hidden width h."""
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+    x4 = torch.randn(tokens, 4 * h, device="cuda", dtype=torch.bfloat16)
+    up = torch.randn(4 * h, h, device="cuda", dtype=torch.bfloat16)       # col split
+    down = torch.randn(h, 4 * h, device="cuda", dtype=torch.bfloat16)     # row split
+    whole_up = cuda_ms(lambda: F.linear(x, up))
+    whole_down = cuda_ms(lambda: F.linear(x4, down))
+    rows = []
+    for n in ranks:
+        up_shards = list(up.chunk(n, 0))
+        down_shards = list(down.chunk(n, 1))
+        x_parts = list(x4.chunk(n, -1))
+        recv_up, recv_down = torch.empty_like(up_shards[0]), \
+            torch.empty_like(down_shards[0].contiguous())
 
-            for name, whole, fn in (("col (up)", whole_up, col), ("row (down)", whole_down, row)):
-                steps = cuda_ms(lambda: fn(False))
-                with_copy = cuda_ms(lambda: fn(True))
-                rows.append((h, n, name, whole, steps, with_copy, whole / steps, whole / with_copy))
-        del x, x4, up, down
-        torch.cuda.empty_cache()
+        def col(copy):
+            parts = []
+            for s, w in enumerate(up_shards):
+                if copy and s < n - 1:
+                    recv_up.copy_(up_shards[s + 1])
+                parts.append(F.linear(x, w))
+            return torch.cat(parts, -1)
+
+        def row(copy):
+            y = None
+            for s, w in enumerate(down_shards):
+                if copy and s < n - 1:
+                    recv_down.copy_(down_shards[s + 1])
+                part = F.linear(x_parts[s], w)
+                y = part if y is None else y.add_(part)
+            return y
+
+        for name, whole, fn in (("col (up)", whole_up, col), ("row (down)", whole_down, row)):
+            steps = cuda_ms(lambda: fn(False))
+            with_copy = cuda_ms(lambda: fn(True))
+            rows.append((h, n, name, whole, steps, with_copy, whole / steps, whole / with_copy))
     return rows
 
 
