@@ -112,6 +112,7 @@ class RankEmitter:
             if hasattr(self.src, spec):
                 setattr(gm, spec, getattr(self.src, spec))
         gm.graph.lint()
+        gm.rtp_layouts = dict(self.plan.params)  # how each parameter is cut (clip_grad_norm_)
         # a forward that raises leaves no hop in flight (also when it raised between the two)
         gm.register_forward_hook(_finish_leftover_hops, always_call=True)
         # a backward that raises leaves every shard's .grad as it was (runtime.transaction)
