@@ -761,8 +761,8 @@ def clip_like_ddp(rank: int, world_size: int, seed: int) -> dict:
             local = torch.nn.utils.get_total_norm(shard_grads, norm_type)  # what torch's gives
             out[(name, norm_type)] = {
                 "total": rel_err(total, reference),
-                "grad": grad_errors(gathered_grads(prog, gm),
-                                    {n: ddp.module.get_parameter(n).grad for n in prog.plan.params}),
+                "grad": grad_errors(gathered_grads(prog, gm), {
+                    n: ddp.module.get_parameter(n).grad for n in prog.plan.params}),
                 "local_vs_global": rel_err(local, reference), "padded": padded}
     gm = rtp_compile.transform(build("mlp", seed), world_size).module(rank)
     loss_of(gm(batch("mlp", seed, rank)), seed).backward()
@@ -774,3 +774,31 @@ def clip_like_ddp(rank: int, world_size: int, seed: int) -> dict:
     except RuntimeError as err:
         out["nonfinite"] = str(err)
     return out
+
+
+def micro_batches_like_ddp(rank: int, world_size: int, seed: int, set_to_none: bool) -> dict:
+    """Two AdamW steps of three micro-batches each, of different sizes (per micro-batch and
+    rank), every loss divided by 3, `zero_grad(set_to_none)` after each step, next to DDP: the
+    accumulated gradients' and the parameters' largest relative errors."""
+    model = build("gpt", seed)
+    prog = rtp_compile.transform(model, world_size)
+    gm, ddp = prog.module(rank), DDP(copy.deepcopy(model))
+    opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1, eps=1e-6)
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1, eps=1e-6)
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    errors = {"grad": 0.0, "param": 0.0}
+    for step in range(2):
+        for micro, size in enumerate((3, 1, 2)):
+            idx = torch.randint(0, 37, (size + rank % 2, 8), generator=g)
+            (loss_of(gm(idx), seed + micro) / 3).backward()
+            (loss_of(ddp(idx), seed + micro) / 3).backward()
+        errors["grad"] = max(errors["grad"], grad_errors(gathered_grads(prog, gm), {
+            n: ddp.module.get_parameter(n).grad for n in prog.plan.params}))
+        opt.step()
+        ddp_opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        ddp_opt.zero_grad(set_to_none=set_to_none)
+        errors["param"] = max(errors["param"], param_errors(
+            prog.full_state_dict(gm), ddp.module.state_dict(), parameter_keys(model)))
+    errors["grads_kept"] = all(p.grad is not None for p in gm.parameters()) != set_to_none
+    return errors
