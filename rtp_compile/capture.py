@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -50,20 +51,68 @@ def parameter_names(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str
 
 def capture(model: nn.Module, example_inputs=None, example_kwargs=None) -> Captured:
     """Capture `model`: torch.export with example inputs (or the `dummy_inputs` a transformers
-    model carries), torch.fx.symbolic_trace without."""
+    model carries), torch.fx.symbolic_trace without. Nodes computed inside an activation
+    checkpoint are labelled with it (`checkpoint_region`)."""
     params, aliases = parameter_names(model)
-    if example_inputs is None and example_kwargs is None:
-        dummy = _fitting_dummy_inputs(model)
-        if dummy:
-            gm, level = _export(model, None, dummy, "its dummy_inputs"), "aten"
+    with _labelling_checkpoints():
+        if example_inputs is None and example_kwargs is None:
+            dummy = _fitting_dummy_inputs(model)
+            if dummy:
+                gm, level = _export(model, None, dummy, "its dummy_inputs"), "aten"
+            else:
+                gm, level = _trace_fx(model), "function"
         else:
-            gm, level = _trace_fx(model), "function"
-    else:
-        gm, level = _export(model, example_inputs, example_kwargs, "the given example inputs"), \
-            "aten"
+            gm, level = _export(model, example_inputs, example_kwargs,
+                                "the given example inputs"), "aten"
     _canonicalise_parameter_reads(gm, aliases)
     return Captured(gm, level, params, aliases, native_state_keys(model), model=model,
                     examples=(example_inputs, example_kwargs))
+
+
+def checkpoint_region(node: fx.Node) -> int | None:
+    """The activation checkpoint a captured node was computed in (numbered in the order the
+    forward entered them), None outside any."""
+    return node.meta.get("custom", {}).get(_CHECKPOINT_KEY)
+
+
+_CHECKPOINT_KEY = "rtp_checkpoint"
+
+
+@contextlib.contextmanager
+def _labelling_checkpoints():
+    """While capturing, `torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False)` runs
+    `fn` inline (both capture paths would inline it anyway, dropping the checkpoint) with every
+    node it makes labelled by the checkpoint's number (fx's `custom` node meta); a checkpoint
+    inside another belongs to the outer one. A reentrant checkpoint is refused: it hides its
+    function from both tracers."""
+    import torch.fx.traceback as fx_traceback
+    import torch.utils.checkpoint as torch_checkpoint
+
+    entered = itertools.count()
+
+    def labelled(fn, *args, **kwargs):
+        if fx_traceback.current_meta.get("custom", {}).get(_CHECKPOINT_KEY) is not None:
+            yield  # nested: the outer checkpoint's label stays
+            return
+        with fx_traceback.annotate({_CHECKPOINT_KEY: next(entered)}):
+            yield
+
+    def reentrant(*args, **kwargs):
+        raise CaptureError(
+            "rtp_compile cannot capture torch.utils.checkpoint.checkpoint(..., "
+            "use_reentrant=True): pass use_reentrant=False (what torch recommends), which "
+            "rtp_compile keeps as an activation checkpoint of the rank's program")
+
+    saved = (torch_checkpoint._checkpoint_without_reentrant_generator,
+             torch_checkpoint.CheckpointFunction.apply)
+    torch_checkpoint._checkpoint_without_reentrant_generator = labelled
+    torch_checkpoint.CheckpointFunction.apply = reentrant
+    try:
+        with fx_traceback.preserve_node_meta():
+            yield
+    finally:
+        (torch_checkpoint._checkpoint_without_reentrant_generator,
+         torch_checkpoint.CheckpointFunction.apply) = saved
 
 
 def _named_inputs(model: nn.Module) -> list[str]:

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from rtp_compile.checkpoint_regions import outline_checkpoints
 from rtp_compile.op_rules import Combine
 from rtp_compile.passes.context import Context
 from rtp_compile.passes.rotate import gathered_op, gathered_small
@@ -111,6 +112,7 @@ class RankEmitter:
         for spec in ("_in_spec", "_out_spec"):
             if hasattr(self.src, spec):
                 setattr(gm, spec, getattr(self.src, spec))
+        outline_checkpoints(gm)  # the model's activation checkpoints, recomputed in backward
         gm.graph.lint()
         gm.rtp_layouts = dict(self.plan.params)  # how each parameter is cut (clip_grad_norm_)
         # a forward that raises leaves no hop in flight (also when it raised between the two)

@@ -802,3 +802,41 @@ def micro_batches_like_ddp(rank: int, world_size: int, seed: int, set_to_none: b
             prog.full_state_dict(gm), ddp.module.state_dict(), parameter_keys(model)))
     errors["grads_kept"] = all(p.grad is not None for p in gm.parameters()) != set_to_none
     return errors
+
+
+def checkpointed_like_ddp(rank: int, world_size: int, seed: int, capture: str,
+                          bucket_bytes: int | None) -> dict:
+    """A model whose blocks run under torch.utils.checkpoint: train_next_to_ddp's errors over
+    two AdamW steps (DDP runs the same checkpointed model) and the rank module's checkpointed
+    regions; then, with and without the checkpoints, one forward and backward on a larger
+    batch: its ring hops (the backward's include the recomputed forwards' hops: weights
+    fetched again by rotation, never kept) and its peak bytes (MemTracker)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from rtp_compile.runtime import ring
+    batches = [batch("checkpointed", seed, rank, step) for step in range(2)]
+    large = torch.randn(64, 16, 10, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(seed + rank))
+    hops, peaks, errors, regions = {}, {}, {}, []
+    for checkpointed in (True, False):
+        model = build("checkpointed", seed)
+        model.checkpointed = checkpointed
+        prog = rtp_compile.transform(model, world_size, bucket_bytes=bucket_bytes,
+                                     example_inputs=(batches[0],) if capture == "export" else None)
+        gm = prog.module(rank)
+        if checkpointed:
+            errors = train_next_to_ddp(prog, gm, model, batches, seed, lambda m, x: m(x),
+                                       lambda o: o)
+            regions = [name for name, _ in gm.named_modules()
+                       if name.startswith("rtp_checkpoints.") and name.count(".") == 1]
+        tracker = MemTracker()
+        tracker.track_external(gm)
+        with tracker:
+            before = ring.traffic["hops"]
+            loss = loss_of(gm(large), seed)
+            forward = ring.traffic["hops"] - before
+            loss.backward()
+        hops[checkpointed] = (forward, ring.traffic["hops"] - before - forward)
+        (peaks[checkpointed],) = tracker.get_tracker_snapshot("peak").values()
+    return {**errors, "regions": regions, "hops": hops,
+            "peak": {k: v["Total"] for k, v in peaks.items()},
+            "left_in_flight": len(ring._pending), "pooled": len(ring.pool.buffers)}

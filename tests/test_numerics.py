@@ -3,7 +3,7 @@ float64, in real gloo jobs."""
 import pytest
 
 import rtp_compile
-from jobs import clip_like_ddp, micro_batches_like_ddp
+from jobs import checkpointed_like_ddp, clip_like_ddp, micro_batches_like_ddp
 
 TOL = 1e-9
 
@@ -32,3 +32,26 @@ def test_micro_batches_accumulate_like_ddp(world_size, set_to_none, seed):
     for rank, r in enumerate(rtp_compile.launch(micro_batches_like_ddp, world_size,
                                                 args=(seed, set_to_none), timeout=200)):
         assert r["grad"] <= TOL and r["param"] <= TOL and r["grads_kept"], (rank, r)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size,capture,bucket_bytes", [(2, "fx", None), (3, "export", 0)])
+def test_activation_checkpoints_recompute_by_rotation_like_ddp(world_size, capture,
+                                                               bucket_bytes, seed):
+    """Blocks under torch.utils.checkpoint(use_reentrant=False), captured by torch.fx or
+    torch.export, bucketed or not: each becomes a checkpointed region of the rank's program;
+    outputs, gradients and two AdamW steps equal DDP's on the same checkpointed model; the
+    backward re-runs each region's forward hops (its weights fetched again by rotation, one
+    message per step: each block is one fused unit) and leaves nothing in flight; the peak
+    falls (benchmarks/checkpointing.py measures by how much)."""
+    for rank, r in enumerate(rtp_compile.launch(checkpointed_like_ddp, world_size,
+                                                args=(seed, capture, bucket_bytes), timeout=200)):
+        assert r["regions"] == ["rtp_checkpoints.region0", "rtp_checkpoints.region1",
+                                "rtp_checkpoints.region2"], (rank, r)
+        for what in ("output", "grad", "param"):
+            assert r[what] <= TOL, (rank, what, r)
+        (forward, backward), (plain_forward, plain_backward) = r["hops"][True], r["hops"][False]
+        assert forward == plain_forward, (rank, r["hops"])
+        assert backward == plain_backward + 3 * (world_size - 1), (rank, r["hops"])  # 3 blocks
+        assert r["left_in_flight"] == 0 and r["pooled"] == 0, (rank, r)
+        assert r["peak"][True] < 0.8 * r["peak"][False], (rank, r["peak"])

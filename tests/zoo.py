@@ -202,6 +202,25 @@ class CastNorms(nn.Module):
         return self.head(h)
 
 
+class CheckpointedBlocks(nn.Module):
+    """Pre-norm MLP blocks with residuals (uneven widths), each run under
+    torch.utils.checkpoint.checkpoint(..., use_reentrant=False) when `checkpointed`."""
+
+    def __init__(self, d=10, hidden=23, blocks=3, checkpointed=True):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+            for _ in range(blocks))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                     if self.checkpointed else block(x))
+        return self.head(x)
+
+
 def tiny_gpt():
     return TinyGPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10))
 
@@ -221,6 +240,8 @@ ZOO = {
     "attention": (HandAttention, lambda g: torch.randn(2, 5, 10, generator=g, dtype=torch.float64)),
     "midfail": (MidBackwardFailure,
                 lambda g: torch.randn(4, 3, 7, generator=g, dtype=torch.float64)),
+    "checkpointed": (CheckpointedBlocks,
+                     lambda g: torch.randn(4, 5, 10, generator=g, dtype=torch.float64)),
     "castnorms": (CastNorms, lambda g: torch.randn(2, 5, 7, generator=g, dtype=torch.float64)),
 }
 

@@ -19,13 +19,15 @@ bucket; a bucket's units follow each other in the graph with no other rotated or
 between; no unit of a bucket reads a parameter that another unit reads too (a tied weight
 would travel twice, or its gradient, added into the other unit's, would keep the bucket's
 whole gradient message alive); a bucket's
-parameters have one dtype (its gradient rows add as one flat tensor); a bucket holds at most
-`bucket_bytes`.
+parameters have one dtype (its gradient rows add as one flat tensor); a bucket's units are in
+the same activation checkpoint of the model, or in none (a recomputed region re-runs its own
+hops only); a bucket holds at most `bucket_bytes`.
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
+from rtp_compile.capture import checkpoint_region
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
 from rtp_compile.passes.rotate import fused_block, rotated_op
 
@@ -54,6 +56,12 @@ def rotating_units_in_order(gm: fx.GraphModule, ctx) -> list:
     return [units[n.args[0]] for n in gm.graph.nodes if n.target in (rotated_op, fused_block)]
 
 
+def checkpoint_regions(gm: fx.GraphModule) -> dict[str, int | None]:
+    """Each rotated and fused unit's activation checkpoint of the model (None: none)."""
+    return {n.args[0]: checkpoint_region(n) for n in gm.graph.nodes
+            if n.target in (rotated_op, fused_block)}
+
+
 def bucket_budget(ctx, units) -> int:
     """`bucket_bytes`, or by default what the largest unit holds gathered (N times its
     message): no bucket holds more than its largest unit would whole."""
@@ -65,6 +73,7 @@ def bucket_budget(ctx, units) -> int:
 def _check(gm: fx.GraphModule, ctx) -> None:
     rotating = rotating_units_in_order(gm, ctx)
     order, budget = [u.name for u in rotating], bucket_budget(ctx, rotating)
+    regions = checkpoint_regions(gm)
     units = {u.name: u for u in ctx.plan.units}
     seen: set[str] = set()
     for name, members in ctx.buckets.items():
@@ -78,6 +87,9 @@ def _check(gm: fx.GraphModule, ctx) -> None:
             raise InvariantError(f"bucket {name}: a unit reads a parameter another unit reads")
         if len(_dtypes(ctx.plan, [units[m] for m in members])) != 1:
             raise InvariantError(f"bucket {name}: its parameters' dtypes differ")
+        if len({regions[m] for m in members}) > 1:
+            raise InvariantError(f"bucket {name}: its units are in different activation "
+                                 "checkpoints")
         held = ctx.world_size * bucket_message_bytes(ctx.plan, [units[m] for m in members])
         if held > budget:
             raise InvariantError(f"bucket {name} holds {held} bytes, over bucket_bytes {budget}")
@@ -94,13 +106,14 @@ def bucket_units(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if n == 1 or budget == 0:
         return gm
     runs: list[list] = [[]]
-    tied = _tied(ctx.plan)
+    tied, regions = _tied(ctx.plan), checkpoint_regions(gm)
     for unit in units:
         current = runs[-1]
         if unit.name in tied:
             runs += [[unit], []]
             continue
         if current and (len(_dtypes(ctx.plan, [*current, unit])) > 1 or
+                        regions[current[0].name] != regions[unit.name] or
                         n * bucket_message_bytes(ctx.plan, [*current, unit]) > budget):
             runs.append([])
         runs[-1].append(unit)

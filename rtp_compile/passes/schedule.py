@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from rtp_compile.capture import checkpoint_region
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
 from rtp_compile.passes.rotate import fused_block, parameters_read_only_by_units, rotated_op
 from rtp_compile.runtime import ring  # also registers torch.ops.rtp.*
@@ -144,6 +145,7 @@ class Expanded:
     first_hop: list[fx.Node]
     last_step: fx.Node
     message_bytes: int
+    region: int | None  # the model's activation checkpoint it is in (capture.checkpoint_region)
 
 
 @dataclass
@@ -265,14 +267,17 @@ def _expand(graph: fx.Graph, members: list[_Member], n: int, tag: int,
             m_in = create("call_method", "detach", (m.x,), {}, name=f"{m.unit.name}_in")
             parts = [_step(tracer, m, k, m_in, arrived[k][m.unit.name]) for k in range(n)]
             _finish(graph, tracer, m, m_in, parts)
-    return Expanded(first, parts[-1], message["bytes"])
+    return Expanded(first, parts[-1], message["bytes"], checkpoint_region(lead.marker))
 
 
 def prefetch(current: Expanded, following: Expanded, budget: int) -> None:
     """Start the following unit's first hop before the current unit's last step computes (its
     own shards are at hand from the start), where the two messages then in flight (the
-    current unit's last one, the following unit's first) fit in `budget` bytes."""
-    if current.message_bytes + following.message_bytes > budget:
+    current unit's last one, the following unit's first) fit in `budget` bytes, and both are
+    in the same activation checkpoint (or in none): a recomputed region starts no hop that
+    runs past it and waits on none it did not start."""
+    if current.message_bytes + following.message_bytes > budget or \
+            current.region != following.region:
         return
     for node in following.first_hop:
         current.last_step.prepend(node)
