@@ -134,6 +134,8 @@ def _fitting_dummy_inputs(model: nn.Module) -> dict | None:
 def _trace_fx(model: nn.Module) -> fx.GraphModule:
     try:
         return fx.symbolic_trace(model)
+    except CaptureError:
+        raise
     except Exception as err:
         inputs = ", ".join(_named_inputs(model)[:6])
         raise CaptureError(
@@ -238,12 +240,16 @@ def _export(model: nn.Module, args, kwargs, source: str) -> fx.GraphModule:
                 gm = export(model, *grown, strict=False, dynamic_shapes=dynamic).module()
                 if _same_outputs(model, gm, args, kwargs):
                     return gm
+            except CaptureError:
+                raise
             except Exception:
                 pass  # the model needs those sizes to be 1: capture them fixed, as given
         for dynamic_shapes in (dynamic, None):  # sizes free where the model allows, else fixed
             try:
                 return export(model, args, kwargs, strict=False,
                               dynamic_shapes=dynamic_shapes).module()
+            except CaptureError:
+                raise
             except Exception as err:
                 errors.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
     raise CaptureError(
