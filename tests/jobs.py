@@ -726,46 +726,43 @@ def failed_backward_leaves_state(rank: int, world_size: int, seed: int, where: s
 
 
 def clip_like_ddp(rank: int, world_size: int, seed: int) -> dict:
-    """rtp_compile.clip_grad_norm_ next to DDP's torch.nn.utils.clip_grad_norm_, per model and
-    norm type, from the same gradients each time (max_norm a third of DDP's norm, so it clips):
-    the totals' and the clipped gradients' relative errors, with the shards' padding gradients
-    set to garbage first (they must not count); how far the local norm torch's own function
-    gives on the shards is from the global one; and whether a nan gradient on rank 0 alone
-    makes every rank raise with error_if_nonfinite=True."""
-    out = {}
-    for name in ("mlp", "gpt"):
-        model = build(name, seed)
-        prog = rtp_compile.transform(model, world_size)
-        gm, ddp = prog.module(rank), DDP(copy.deepcopy(model))
-        x = batch(name, seed, rank)
-        loss_of(gm(x), seed).backward()
-        loss_of(ddp(x), seed).backward()
-        shard_grads = [p.grad.clone() for p in gm.parameters()]  # padding entries zero
-        padded = 0
-        with torch.no_grad():
-            for pname, layout in prog.plan.params.items():
-                slot, grad = layout.slot(rank), gm.get_parameter(pname).grad
-                if slot.valid < slot.length:
-                    flat = grad.reshape(-1) if layout.dim is None else grad
-                    flat.narrow(layout.dim or 0, slot.valid, slot.length - slot.valid).fill_(1e3)
-                    padded += 1
-        grads = {p: p.grad.clone() for p in (*gm.parameters(), *ddp.parameters())}
-        for norm_type in (2.0, math.inf, 1.0):
-            for p, g in grads.items():
-                p.grad.copy_(g)
-            reference = torch.nn.utils.get_total_norm([p.grad for p in ddp.parameters()],
-                                                      norm_type)
-            max_norm = reference.item() / 3
-            total = rtp_compile.clip_grad_norm_(gm, max_norm, norm_type)
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm, norm_type)
-            local = torch.nn.utils.get_total_norm(shard_grads, norm_type)  # what torch's gives
-            out[(name, norm_type)] = {
-                "total": rel_err(total, reference),
-                "grad": grad_errors(gathered_grads(prog, gm), {
-                    n: ddp.module.get_parameter(n).grad for n in prog.plan.params}),
-                "local_vs_global": rel_err(local, reference), "padded": padded}
-    gm = rtp_compile.transform(build("mlp", seed), world_size).module(rank)
-    loss_of(gm(batch("mlp", seed, rank)), seed).backward()
+    """rtp_compile.clip_grad_norm_ next to DDP's torch.nn.utils.clip_grad_norm_ on the GPT of
+    tests/zoo.py (tied head, small parameters gathered, padded shards), per norm type, from
+    the same gradients each time (max_norm a third of DDP's norm, so it clips): the totals'
+    and the clipped gradients' relative errors, with the shards' padding gradients set to
+    garbage first (they must not count); how far the local norm torch's own function gives on
+    the shards is from the global one; and whether a nan gradient on rank 0 alone makes every
+    rank raise with error_if_nonfinite=True."""
+    model = build("gpt", seed)
+    prog = rtp_compile.transform(model, world_size)
+    gm, ddp = prog.module(rank), DDP(copy.deepcopy(model))
+    x = batch("gpt", seed, rank)
+    loss_of(gm(x), seed).backward()
+    loss_of(ddp(x), seed).backward()
+    shard_grads = [p.grad.clone() for p in gm.parameters()]  # padding entries zero
+    padded = 0
+    with torch.no_grad():
+        for name, layout in prog.plan.params.items():
+            slot, grad = layout.slot(rank), gm.get_parameter(name).grad
+            if slot.valid < slot.length:
+                flat = grad.reshape(-1) if layout.dim is None else grad
+                flat.narrow(layout.dim or 0, slot.valid, slot.length - slot.valid).fill_(1e3)
+                padded += 1
+    grads = {p: p.grad.clone() for p in (*gm.parameters(), *ddp.parameters())}
+    out = {"padded": padded}
+    for norm_type in (2.0, math.inf, 1.0):
+        for p, g in grads.items():
+            p.grad.copy_(g)
+        reference = torch.nn.utils.get_total_norm([p.grad for p in ddp.parameters()], norm_type)
+        max_norm = reference.item() / 3
+        total = rtp_compile.clip_grad_norm_(gm, max_norm, norm_type)
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm, norm_type)
+        local = torch.nn.utils.get_total_norm(shard_grads, norm_type)  # what torch's gives
+        out[norm_type] = {
+            "total": rel_err(total, reference),
+            "grad": grad_errors(gathered_grads(prog, gm), {
+                n: ddp.module.get_parameter(n).grad for n in prog.plan.params}),
+            "local_vs_global": rel_err(local, reference)}
     if rank == 0:
         next(gm.parameters()).grad.view(-1)[0] = math.nan
     try:
@@ -776,9 +773,10 @@ def clip_like_ddp(rank: int, world_size: int, seed: int) -> dict:
     return out
 
 
-def micro_batches_like_ddp(rank: int, world_size: int, seed: int, set_to_none: bool) -> dict:
+def micro_batches_like_ddp(rank: int, world_size: int, seed: int) -> dict:
     """Two AdamW steps of three micro-batches each, of different sizes (per micro-batch and
-    rank), every loss divided by 3, `zero_grad(set_to_none)` after each step, next to DDP: the
+    rank), every loss divided by 3, next to DDP: the first step accumulates into gradients that
+    are None, the second, after `zero_grad(set_to_none=False)`, into zero tensors. The
     accumulated gradients' and the parameters' largest relative errors."""
     model = build("gpt", seed)
     prog = rtp_compile.transform(model, world_size)
@@ -796,11 +794,11 @@ def micro_batches_like_ddp(rank: int, world_size: int, seed: int, set_to_none: b
             n: ddp.module.get_parameter(n).grad for n in prog.plan.params}))
         opt.step()
         ddp_opt.step()
-        opt.zero_grad(set_to_none=set_to_none)
-        ddp_opt.zero_grad(set_to_none=set_to_none)
+        opt.zero_grad(set_to_none=False)
+        ddp_opt.zero_grad(set_to_none=False)
         errors["param"] = max(errors["param"], param_errors(
             prog.full_state_dict(gm), ddp.module.state_dict(), parameter_keys(model)))
-    errors["grads_kept"] = all(p.grad is not None for p in gm.parameters()) != set_to_none
+    errors["grads_kept"] = all(p.grad is not None and not p.grad.any() for p in gm.parameters())
     return errors
 
 

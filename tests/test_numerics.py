@@ -1,6 +1,7 @@
 """Clipping, gradient accumulation and activation checkpointing behave as under DDP (issue 12),
 float64, in real gloo jobs."""
 import pytest
+import torch
 
 import rtp_compile
 from jobs import checkpointed_like_ddp, clip_like_ddp, micro_batches_like_ddp
@@ -9,28 +10,29 @@ TOL = 1e-9
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 3, 4])
 def test_clip_grad_norm_is_global_like_ddps(world_size, seed):
     """The total norm over all ranks' shards (padding not counted) and the clipped gradients
     equal DDP's for norms 2, inf and 1; torch's own clip_grad_norm_ on the shards is a local
     norm (it differs as soon as the weights are split); a non-finite norm raises on every rank."""
     results = rtp_compile.launch(clip_like_ddp, world_size, args=(seed,), timeout=200)
+    assert world_size == 1 or any(r["padded"] for r in results)  # widths 10 and 37: padded
     for rank, r in enumerate(results):
         assert r.pop("nonfinite") is not None, rank  # every rank raised, none hung
-        for (name, norm_type), e in r.items():
-            assert e["total"] <= TOL and e["grad"] <= TOL, (rank, name, norm_type, e)
+        r.pop("padded")
+        for norm_type, e in r.items():
+            assert e["total"] <= TOL and e["grad"] <= TOL, (rank, norm_type, e)
             if world_size > 1 and norm_type != float("inf"):
-                assert e["local_vs_global"] > 1e-3, (rank, name, norm_type, e)
-    assert any(e["padded"] for r in results for e in r.values()) or world_size == 1
+                assert e["local_vs_global"] > 1e-3, (rank, norm_type, e)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size,set_to_none", [(2, True), (3, False)])
-def test_micro_batches_accumulate_like_ddp(world_size, set_to_none, seed):
-    """Three micro-batches of different sizes per optimizer step, gradients zeroed to None or to
-    zero tensors: accumulated gradients and the parameters after two AdamW steps equal DDP's."""
-    for rank, r in enumerate(rtp_compile.launch(micro_batches_like_ddp, world_size,
-                                                args=(seed, set_to_none), timeout=200)):
+def test_micro_batches_accumulate_like_ddp(seed):
+    """Three micro-batches of different sizes per optimizer step, accumulated into gradients
+    that are None (first step) or zero tensors (zero_grad(set_to_none=False), second step):
+    the gradients and the parameters after each AdamW step equal DDP's."""
+    for rank, r in enumerate(rtp_compile.launch(micro_batches_like_ddp, 3, args=(seed,),
+                                                timeout=200)):
         assert r["grad"] <= TOL and r["param"] <= TOL and r["grads_kept"], (rank, r)
 
 
@@ -55,3 +57,18 @@ def test_activation_checkpoints_recompute_by_rotation_like_ddp(world_size, captu
         assert backward == plain_backward + 3 * (world_size - 1), (rank, r["hops"])  # 3 blocks
         assert r["left_in_flight"] == 0 and r["pooled"] == 0, (rank, r)
         assert r["peak"][True] < 0.8 * r["peak"][False], (rank, r["peak"])
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_reentrant_checkpoint_is_refused_with_what_to_do(capture):
+    class Reentrant(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.fc, x, use_reentrant=True)
+
+    example = (torch.randn(2, 4),) if capture == "export" else None
+    with pytest.raises(rtp_compile.CaptureError, match="pass use_reentrant=False"):
+        rtp_compile.transform(Reentrant(), 2, example_inputs=example)
