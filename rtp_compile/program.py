@@ -1,6 +1,8 @@
 """RTPProgram: the plan, the rank-generic program, and what each rank needs from them."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -17,6 +19,17 @@ from rtp_compile.passes.plan import Plan
 from rtp_compile.passes.retarget_meta import retarget_meta
 from rtp_compile.rank_tensors import rank_tensors
 from rtp_compile.runtime.ring import resolve_group
+
+_programs: "weakref.WeakKeyDictionary[nn.Module, RTPProgram]" = weakref.WeakKeyDictionary()
+
+
+def program_of(gm: nn.Module) -> "RTPProgram":
+    """The program that emitted rank module `gm` (`RTPProgram.module`)."""
+    try:
+        return _programs[gm]
+    except (KeyError, TypeError):
+        raise ValueError(f"rtp_compile: expected a rank module made by prog.module(rank), got a "
+                         f"{type(gm).__name__}") from None
 
 
 class RTPProgram:
@@ -56,6 +69,14 @@ class RTPProgram:
         """What each pass changed (`passes.pipeline.PassRecord`); `debug=True` keeps code diffs."""
         return self.ctx.pass_log
 
+    def alias_of(self, key: str) -> str | None:
+        """The parameter (as the plan and rank modules name it) that native state key `key`
+        names, under any of its tied names; None for a buffer."""
+        if not hasattr(self, "_aliases"):
+            self._aliases = {a: n for n, lay in self.plan.params.items()
+                             for a in lay.aliases or (n,)}
+        return self._aliases.get(key)
+
     @property
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
@@ -88,6 +109,7 @@ class RTPProgram:
                          shards=tensors.shards, attrs=tensors.attrs).emit()
         if tensors.device is not None:  # a meta model's graph, now on a real device
             retarget_meta(gm, tensors.device)
+        _programs[gm] = self
         return gm
 
     def report(self) -> str:

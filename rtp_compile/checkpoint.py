@@ -1,0 +1,276 @@
+"""Sharded checkpoints of a rank module and its optimizer: torch.distributed.checkpoint (DCP).
+
+    rtp_compile.checkpoint.save(path, gm, optimizer=None, extra=None)   # collective
+    extra = rtp_compile.checkpoint.load(path, gm, optimizer=None)       # any world size
+
+The directory is a standard DCP checkpoint of
+
+    {"model":     the model's state_dict keys -> full-shape tensors (a tied weight under each
+                  of its names; persistent buffers),
+     "optimizer": {"state": {parameter name: {"exp_avg": ..., "step": ...}},
+                   "param_groups": [{hyperparameters..., "params": [parameter names]}]},
+     "extra":     {"rank<r>": what rank r passed as `extra`, pickled}}
+
+Every rank writes only the real (unpadded) part of its shards, and of the optimizer moments
+(which have the shards' shapes); buffers and scalar state (a step count) are the same on every
+rank and written once (DCP deduplicates them). No rank gathers a full tensor: a save adds at
+most one shard-sized copy per tensor being written. Loading reads, for every shard of the
+loading job's layout, the overlapping parts of the saved chunks: a checkpoint saved by N ranks
+loads into any world size. `format_utils.dcp_to_torch_save(path, out)` gives a file whose
+`["model"]` the original model loads with `load_state_dict(strict=True)`.
+
+A save is written into `<path>.partial` and renamed to `path` when every rank has written:
+a job that dies during a save leaves the previous checkpoint at `path` intact. A load reads
+into fresh shards and copies them into the parameters and the optimizer only once all of the
+checkpoint has been read and checked.
+"""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
+                                                   TensorStorageMetadata)
+
+from rtp_compile.codegen import job_of
+from rtp_compile.dcp_shards import ShardChunks, ShardLoadPlanner, ShardSavePlanner
+from rtp_compile.model_state import has_state_dict_hooks, native_state_keys
+from rtp_compile.program import RTPProgram, program_of
+
+
+def save(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra=None,
+         *, process_group: dist.ProcessGroup | None = None) -> None:
+    """Collective (every rank of the job, `process_group` default the whole job): write `gm`'s
+    shards, its buffers, `optimizer`'s state and this rank's `extra` (any picklable value:
+    step, data position, this rank's RNG state) to the DCP checkpoint directory `path`."""
+    prog, rank = program_of(gm), job_of(gm).rank
+    state = {"model": _model_entries(prog, gm, rank, _job_rank(process_group) == 0)}
+    if optimizer is not None:
+        state["optimizer"] = _optimizer_entries(prog, gm, optimizer, rank)
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    state["extra"] = {f"rank{_job_rank(process_group)}": buffer.getvalue()}
+    final = Path(path)
+    staging = final.with_name(final.name + ".partial")
+    if _job_rank(process_group) == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    _barrier(process_group)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), planner=ShardSavePlanner(),
+             process_group=process_group)
+    if _job_rank(process_group) == 0:  # every rank has written and the metadata is complete
+        previous = final.with_name(final.name + ".previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        if final.exists():
+            os.rename(final, previous)
+        os.rename(staging, final)
+        shutil.rmtree(previous, ignore_errors=True)
+    _barrier(process_group)
+
+
+def load(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         *, process_group: dist.ProcessGroup | None = None):
+    """Collective: read the checkpoint at `path` (saved by any number of ranks) into `gm`'s
+    shards and buffers and into `optimizer` (its parameter groups must name the same
+    parameters as the saved ones'); returns the `extra` this rank saved (in a job larger than
+    the saving one, a rank that did not save gets rank 0's). Nothing is changed unless all of
+    it was read."""
+    prog, rank = program_of(gm), job_of(gm).rank
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"rtp_compile.checkpoint.load: {path} is not a complete DCP "
+                                f"checkpoint (no .metadata file)")
+    reader = dcp.FileSystemReader(path)
+    metadata = reader.read_metadata()
+    state = {"model": _model_targets(prog, gm, rank, metadata)}
+    if optimizer is not None:
+        state["optimizer"] = _optimizer_targets(prog, gm, optimizer, rank, metadata, path)
+    own = f"rank{_job_rank(process_group)}"
+    extra_key = own if f"extra.{own}" in metadata.state_dict_metadata else "rank0"
+    state["extra"] = {extra_key: None}
+    dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(),
+             process_group=process_group)
+    with torch.no_grad():
+        for key, target in state["model"].items():
+            if isinstance(target, ShardChunks):
+                gm.get_parameter(prog.alias_of(key)).copy_(target.shard)
+            else:
+                gm.get_buffer(key).copy_(target)
+    if optimizer is not None:
+        optimizer.load_state_dict(_optimizer_state_dict(gm, optimizer, state["optimizer"]))
+    return torch.load(io.BytesIO(state["extra"][extra_key]), weights_only=False)
+
+
+# -- the model ------------------------------------------------------------------------------
+def _model_keys(prog: RTPProgram) -> list[str]:
+    model = prog.ctx.model
+    if has_state_dict_hooks(model):
+        raise NotImplementedError(
+            f"rtp_compile.checkpoint: {type(model).__name__} changes its state_dict keys with "
+            f"state-dict hooks; save it with prog.full_state_dict(gm) and torch.save instead")
+    return native_state_keys(model)
+
+
+def _model_entries(prog: RTPProgram, gm: nn.Module, rank: int,
+                   buffers: bool) -> dict[str, object]:
+    """This rank's shard of every parameter under each of its names, and if `buffers` the
+    buffers (the job's first rank's only: as with DDP, they are what every rank's next forward
+    takes, and each rank's own can differ, as BatchNorm's statistics do)."""
+    entries = {}
+    for key in _model_keys(prog):
+        name = prog.alias_of(key)
+        if name is None:
+            if buffers:
+                entries[key] = gm.get_buffer(key).detach()
+        else:
+            entries[key] = ShardChunks(gm.get_parameter(name).detach(), prog.plan.params[name],
+                                       rank)
+    return entries
+
+
+def _model_targets(prog: RTPProgram, gm: nn.Module, rank: int,
+                   metadata: Metadata) -> dict[str, object]:
+    """Fresh tensors to read the model into: a zero shard per parameter (read under the first
+    of its names the checkpoint has) and a copy per buffer; every key and shape checked."""
+    saved = metadata.state_dict_metadata
+    targets, missing, wrong = {}, [], []
+    done = set()
+    for key in _model_keys(prog):
+        name = prog.alias_of(key)
+        if name in done:
+            continue
+        if name is not None:
+            layout = prog.plan.params[name]
+            key = next((a for a in layout.aliases or (name,) if f"model.{a}" in saved), None)
+            if key is None:
+                missing.append(f"parameter {'/'.join(layout.aliases or (name,))}")
+                continue
+            done.add(name)
+            shape, param = tuple(layout.shape), gm.get_parameter(name)
+            targets[key] = ShardChunks(torch.zeros(layout.shard_shape, dtype=param.dtype,
+                                                   device=param.device), layout, rank)
+        elif f"model.{key}" not in saved:
+            missing.append(f"buffer {key}")
+            continue
+        else:
+            buffer = gm.get_buffer(key)
+            shape, targets[key] = tuple(buffer.shape), torch.empty_like(buffer)
+        md = saved[f"model.{key}"]
+        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != shape:
+            wrong.append(f"{key} is {_describe(md)} in the checkpoint, the model has {shape}")
+    if missing:
+        raise KeyError(f"rtp_compile.checkpoint.load: the checkpoint has no "
+                       f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}; nothing "
+                       f"was loaded")
+    if wrong:
+        raise ValueError(f"rtp_compile.checkpoint.load: {'; '.join(wrong[:8])}"
+                         f"{' ...' if len(wrong) > 8 else ''}; nothing was loaded")
+    return targets
+
+
+# -- the optimizer ----------------------------------------------------------------------------
+def _parameter_names(gm: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of the optimizer's parameters, in its state_dict's index order."""
+    names = {id(p): n for n, p in gm.named_parameters()}
+    order = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"rtp_compile.checkpoint: the optimizer holds a {tuple(p.shape)}"
+                                 f" tensor that is not a parameter of the rank module; build it "
+                                 f"on gm.parameters()")
+            order.append(names[id(p)])
+    return order
+
+
+def _optimizer_entries(prog: RTPProgram, gm: nn.Module, optimizer: torch.optim.Optimizer,
+                       rank: int) -> dict:
+    names = _parameter_names(gm, optimizer)
+    saved = optimizer.state_dict()
+    state = {}
+    for index, values in saved["state"].items():
+        name = names[index]
+        shard = gm.get_parameter(name)
+        state[name] = {}
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape == shard.shape:
+                value = ShardChunks(value.detach(), prog.plan.params[name], rank)
+            elif isinstance(value, torch.Tensor) and value.dim():
+                raise ValueError(f"rtp_compile.checkpoint.save: optimizer state {key!r} of "
+                                 f"{name} has shape {tuple(value.shape)}, neither the shard's "
+                                 f"{tuple(shard.shape)} nor a scalar; only per-element state "
+                                 f"(Adam's moments, momentum) and scalars can be sharded")
+            state[name][key] = value
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _optimizer_targets(prog: RTPProgram, gm: nn.Module, optimizer: torch.optim.Optimizer,
+                       rank: int, metadata: Metadata, path: Path) -> dict:
+    """What to read the optimizer into, built from the checkpoint's own structure: a zero shard
+    per moment, a tensor per scalar state, the saved values of everything else."""
+    if not any(k.startswith("optimizer.") for k in metadata.state_dict_metadata):
+        raise KeyError(f"rtp_compile.checkpoint.load: {path} was saved without an optimizer; "
+                       f"call load(path, gm) without one")
+    names = set(_parameter_names(gm, optimizer))
+    targets: dict = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        where = metadata.planner_data[fqn]
+        if where[0] != "optimizer":
+            continue
+        if where[1] == "state" and where[2] not in names:
+            raise KeyError(f"rtp_compile.checkpoint.load: the checkpoint has optimizer state for "
+                           f"{where[2]}, which the optimizer does not hold")
+        if isinstance(md, BytesStorageMetadata):
+            value = None
+        elif where[1] == "state" and tuple(md.size) == tuple(prog.plan.params[where[2]].shape) \
+                and len(md.size):
+            param = gm.get_parameter(where[2])
+            value = ShardChunks(torch.zeros(param.shape, dtype=md.properties.dtype,
+                                            device=param.device),
+                                prog.plan.params[where[2]], rank)
+        else:
+            value = torch.empty(md.size, dtype=md.properties.dtype)
+        set_element(targets, where[1:], value)
+    return targets
+
+
+def _optimizer_state_dict(gm: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict) -> dict:
+    """The loaded state as `optimizer.load_state_dict` takes it (parameters by index)."""
+    names = _parameter_names(gm, optimizer)
+    index = {name: i for i, name in enumerate(names)}
+    held = iter(names)
+    current = [[next(held) for _ in g["params"]] for g in optimizer.param_groups]
+    groups = loaded["param_groups"]
+    if [sorted(g["params"]) for g in groups] != [sorted(c) for c in current]:
+        raise ValueError("rtp_compile.checkpoint.load: the optimizer's parameter groups differ "
+                         "from the saved ones; build it on the same parameters, grouped as the "
+                         "saving job did")
+    state = {index[name]: {k: v.shard if isinstance(v, ShardChunks) else v
+                           for k, v in values.items()}
+             for name, values in loaded.get("state", {}).items()}
+    # load_state_dict pairs each group's "params" with the optimizer's, in the optimizer's order
+    return {"state": state,
+            "param_groups": [{**g, "params": [index[n] for n in c]}
+                             for g, c in zip(groups, current)]}
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _describe(md) -> str:
+    return f"shape {tuple(md.size)}" if isinstance(md, TensorStorageMetadata) else "not a tensor"
+
+
+def _job_rank(group) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _barrier(group) -> None:
+    if dist.is_initialized():
+        dist.barrier(group)
