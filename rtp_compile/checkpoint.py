@@ -226,8 +226,9 @@ def _optimizer_targets(prog: RTPProgram, gm: nn.Module, optimizer: torch.optim.O
         if where[0] != "optimizer":
             continue
         if where[1] == "state" and where[2] not in names:
-            raise KeyError(f"rtp_compile.checkpoint.load: the checkpoint has optimizer state for "
-                           f"{where[2]}, which the optimizer does not hold")
+            raise ValueError(f"rtp_compile.checkpoint.load: the optimizer's parameter groups "
+                             f"differ from the saved ones: the checkpoint has state for "
+                             f"{where[2]}, which the optimizer does not hold")
         if isinstance(md, BytesStorageMetadata):
             value = None
         elif where[1] == "state" and tuple(md.size) == tuple(prog.plan.params[where[2]].shape) \
