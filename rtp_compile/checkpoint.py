@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadat
 
 from rtp_compile.codegen import job_of
 from rtp_compile.dcp_shards import ShardChunks, ShardLoadPlanner, ShardSavePlanner
-from rtp_compile.model_state import has_state_dict_hooks, native_state_keys
+from rtp_compile.model_state import (computed_state, hooked_native_keys, state_dict_sources,
+                                     to_native)
 from rtp_compile.program import RTPProgram, program_of
 
 
@@ -96,71 +97,71 @@ def load(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     state["extra"] = {extra_key: None}
     dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(),
              process_group=process_group)
-    with torch.no_grad():
-        for key, target in state["model"].items():
-            if isinstance(target, ShardChunks):
-                gm.get_parameter(prog.alias_of(key)).copy_(target.shard)
-            else:
-                gm.get_buffer(key).copy_(target)
+    _copy_model(prog, gm, rank, state["model"], metadata)
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state_dict(gm, optimizer, state["optimizer"]))
     return torch.load(io.BytesIO(state["extra"][extra_key]), weights_only=False)
 
 
 # -- the model ------------------------------------------------------------------------------
-def _model_keys(prog: RTPProgram) -> list[str]:
-    model = prog.ctx.model
-    if has_state_dict_hooks(model):
-        raise NotImplementedError(
-            f"rtp_compile.checkpoint: {type(model).__name__} changes its state_dict keys with "
-            f"state-dict hooks; save it with prog.full_state_dict(gm) and torch.save instead")
-    return native_state_keys(model)
-
-
 def _model_entries(prog: RTPProgram, gm: nn.Module, rank: int,
-                   buffers: bool) -> dict[str, object]:
-    """This rank's shard of every parameter under each of its names, and if `buffers` the
-    buffers (the job's first rank's only: as with DDP, they are what every rank's next forward
-    takes, and each rank's own can differ, as BatchNorm's statistics do)."""
+                   first: bool) -> dict[str, object]:
+    """Every key of the model's state_dict: this rank's shard of each parameter (under each of
+    its names); on the job's `first` rank, the buffers (as with DDP, the first rank's are what
+    every rank's next forward takes; each rank's own can differ, as BatchNorm's statistics do)
+    and the keys the model's state-dict hooks compute, from the full tensors of the modules
+    that have hooks (gathered: the only full tensors a save makes)."""
+    model = prog.ctx.model
+    sources = state_dict_sources(model)
     entries = {}
-    for key in _model_keys(prog):
-        name = prog.alias_of(key)
-        if name is None:
-            if buffers:
-                entries[key] = gm.get_buffer(key).detach()
-        else:
+    for key, source in sources.items():
+        name = None if source is None else prog.alias_of(source)
+        if name is not None:
             entries[key] = ShardChunks(gm.get_parameter(name).detach(), prog.plan.params[name],
                                        rank)
-    return entries
+        elif source is not None and first:
+            entries[key] = gm.get_buffer(source).detach()
+    if None in sources.values():
+        full = {k: prog.full_tensor(gm, k) for k in hooked_native_keys(model)}  # collective
+        if first:
+            entries.update(computed_state(model, full, "rtp_compile.checkpoint.save"))
+    return {k: entries[k] for k in sources if k in entries}
 
 
 def _model_targets(prog: RTPProgram, gm: nn.Module, rank: int,
                    metadata: Metadata) -> dict[str, object]:
-    """Fresh tensors to read the model into: a zero shard per parameter (read under the first
-    of its names the checkpoint has) and a copy per buffer; every key and shape checked."""
+    """Fresh tensors to read the model into, by state_dict key: a zero shard per parameter
+    (read under the first of its keys the checkpoint has), a copy per buffer, a whole tensor
+    per key the model's hooks compute; every key and shape checked."""
+    sources = state_dict_sources(prog.ctx.model)
     saved = metadata.state_dict_metadata
-    targets, missing, wrong = {}, [], []
-    done = set()
-    for key in _model_keys(prog):
-        name = prog.alias_of(key)
+    targets, missing, wrong, done = {}, [], [], set()
+    for key, source in sources.items():
+        name = None if source is None else prog.alias_of(source)
         if name in done:
             continue
         if name is not None:
             layout = prog.plan.params[name]
-            key = next((a for a in layout.aliases or (name,) if f"model.{a}" in saved), None)
+            names = [k for k, s in sources.items() if s is not None and prog.alias_of(s) == name]
+            key = next((k for k in names if f"model.{k}" in saved), None)
             if key is None:
-                missing.append(f"parameter {'/'.join(layout.aliases or (name,))}")
+                missing.append(f"parameter {'/'.join(names)}")
                 continue
             done.add(name)
             shape, param = tuple(layout.shape), gm.get_parameter(name)
             targets[key] = ShardChunks(torch.zeros(layout.shard_shape, dtype=param.dtype,
                                                    device=param.device), layout, rank)
         elif f"model.{key}" not in saved:
-            missing.append(f"buffer {key}")
+            missing.append(key)
             continue
-        else:
-            buffer = gm.get_buffer(key)
+        elif source is not None:
+            buffer = gm.get_buffer(source)
             shape, targets[key] = tuple(buffer.shape), torch.empty_like(buffer)
+        else:  # computed by a hook: read whole, taken back by the model's load pre-hooks
+            md = saved[f"model.{key}"]
+            shape = tuple(getattr(md, "size", ()))
+            if isinstance(md, TensorStorageMetadata):
+                targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
         md = saved[f"model.{key}"]
         if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != shape:
             wrong.append(f"{key} is {_describe(md)} in the checkpoint, the model has {shape}")
@@ -172,6 +173,37 @@ def _model_targets(prog: RTPProgram, gm: nn.Module, rank: int,
         raise ValueError(f"rtp_compile.checkpoint.load: {'; '.join(wrong[:8])}"
                          f"{' ...' if len(wrong) > 8 else ''}; nothing was loaded")
     return targets
+
+
+def _copy_model(prog: RTPProgram, gm: nn.Module, rank: int, loaded: dict[str, object],
+                metadata: Metadata) -> None:
+    """Put what was read into `gm`: shards and buffers as they are; the tensors of modules
+    whose hooks compute keys through the model's own load_state_dict (its load pre-hooks), on
+    a skeleton, then cut to this rank's shards."""
+    model = prog.ctx.model
+    sources = state_dict_sources(model)
+    with torch.no_grad():
+        for key, target in loaded.items():
+            if isinstance(target, ShardChunks):
+                gm.get_parameter(prog.alias_of(sources[key])).copy_(target.shard)
+            elif sources[key] is not None:
+                gm.get_buffer(sources[key]).copy_(target)
+        if None not in sources.values():
+            return
+        stand_ins = {k: loaded[k] if k in loaded and not isinstance(loaded[k], ShardChunks)
+                     and sources[k] is None
+                     else torch.empty(metadata.state_dict_metadata[f"model.{k}"].size,
+                                      device="meta")
+                     for k in sources if f"model.{k}" in metadata.state_dict_metadata}
+        native = to_native(model, stand_ins, "rtp_compile.checkpoint.load")
+        for key in hooked_native_keys(model):
+            tensor, name = native[key], prog.alias_of(key)
+            if tensor.is_meta:  # passed through unchanged: already read as a shard or buffer
+                continue
+            if name is not None:
+                gm.get_parameter(name).copy_(prog.plan.params[name].shard(tensor, rank))
+            else:
+                gm.get_buffer(key).copy_(tensor)
 
 
 # -- the optimizer ----------------------------------------------------------------------------

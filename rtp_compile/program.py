@@ -177,17 +177,25 @@ class RTPProgram:
     def full_state_dict(self, gm: nn.Module) -> dict[str, torch.Tensor]:
         """Collective: the model's state_dict (its keys, through its own state-dict hooks; full
         shapes, padding removed)."""
-        group = job_of(gm).group_name
-        shards = {name: gm.get_parameter(name).detach() for name in self.plan.params}
         full = {}
         for name, layout in self.plan.params.items():
-            gathered = self._all_gather(shards[name], group)
-            tensor = layout.unshard(gathered)
+            tensor = self.full_tensor(gm, name)
             for alias in layout.aliases:
                 full[alias] = tensor
         for name in self.ctx.buffer_names:
-            full[name] = gm.get_buffer(name).detach().clone()
+            full[name] = self.full_tensor(gm, name)
         return to_model_state_dict(self.ctx.model, full, "full_state_dict")
+
+    def full_tensor(self, gm: nn.Module, key: str) -> torch.Tensor:
+        """Collective for a parameter: the full tensor of native key `key` (a parameter under
+        any of its names, all ranks' shards gathered, padding removed; or a buffer, this rank's
+        copy)."""
+        name = self.alias_of(key)
+        if name is None:
+            return gm.get_buffer(key).detach().clone()
+        layout = self.plan.params[name]
+        return layout.unshard(self._all_gather(gm.get_parameter(name).detach(),
+                                               job_of(gm).group_name))
 
     def _all_gather(self, shard: torch.Tensor, group_name: str) -> list[torch.Tensor]:
         if self.world_size == 1:

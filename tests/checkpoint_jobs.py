@@ -12,12 +12,24 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import rtp_compile
 from jobs import LR, loss_of, param_errors, rel_err
 from rtp_compile import checkpoint
+from decoders import DECODERS, DecoderConfig, build_decoder, decoder_batch
 from zoo import ZOO, build
 
 
 def draw_batch(name: str) -> torch.Tensor:
-    """A batch of zoo model `name` drawn from the global RNG (so resuming must restore it)."""
+    """A batch of zoo or decoder model `name` drawn from the global RNG (so resuming must
+    restore it)."""
+    if name in DECODERS:
+        return torch.randint(0, DecoderConfig.vocab, (2, 11))
     return ZOO[name][1](torch.default_generator)
+
+
+def program(name: str, seed: int, world_size: int) -> rtp_compile.RTPProgram:
+    """Zoo models traced with torch.fx; decoders exported (their rotary tables need sizes)."""
+    if name in DECODERS:
+        return rtp_compile.transform(build_decoder(name, seed), world_size,
+                                     example_inputs=(decoder_batch(0, 0),))
+    return rtp_compile.transform(build(name, seed), world_size)
 
 
 class DieWhenPickled:
@@ -72,7 +84,7 @@ def save_after_steps(rank: int, world_size: int, name: str, path: str, steps: in
     """`steps` AdamW steps of zoo model `name` on per-rank batches, then a checkpoint; returns
     what `full_state_and_moments` gives."""
     torch.manual_seed(seed * 100 + rank)
-    prog = rtp_compile.transform(build(name, seed), world_size)
+    prog = program(name, seed, world_size)
     gm = prog.module(rank)
     opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1)
     for step in range(steps):
@@ -144,7 +156,7 @@ def resharded_steps_match_ddp(rank: int, world_size: int, name: str, path: str, 
 def load_into_world_size(rank: int, world_size: int, name: str, path: str) -> dict:
     """Load a checkpoint into a program for `world_size` whose own values all differ; returns
     what `full_state_and_moments` gives."""
-    prog = rtp_compile.transform(build(name, 123), world_size)
+    prog = program(name, 123, world_size)
     gm = prog.module(rank)
     opt = torch.optim.AdamW(gm.parameters(), lr=LR)
     checkpoint.load(path, gm, opt)

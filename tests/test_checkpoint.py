@@ -9,6 +9,8 @@ import rtp_compile
 from checkpoint_jobs import (load_into_world_size, resharded_steps_match_ddp,
                              save_after_steps, train_with_checkpoints)
 from rtp_compile import checkpoint
+from decoders import build_decoder
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from zoo import MLP, build
 
 STEPS, EVERY = 7, 2
@@ -84,6 +86,26 @@ def test_buffers_and_conv_kernels_reshard_too(tmp_path, seed):
     saved = rtp_compile.launch(save_after_steps, 3, args=("conv", path, 2, seed), timeout=120)
     for rank, loaded in enumerate(rtp_compile.launch(load_into_world_size, 2,
                                                      args=("conv", path), timeout=120)):
+        _assert_same(loaded, saved[0], rank)
+
+
+@pytest.mark.timeout(300)
+def test_a_model_whose_hooks_split_a_packed_qkv_saves_and_loads_its_own_keys(tmp_path, seed):
+    # NeoX keeps one wqkv and its state_dict speaks wq / wk / wv (state-dict hooks): the
+    # checkpoint holds the model's own keys, the unsharded model loads dcp_to_torch_save's file
+    # strictly, and 2 ranks load what 3 saved
+    path = str(tmp_path / "ck")
+    saved = rtp_compile.launch(save_after_steps, 3, args=("neox", path, 1, seed), timeout=120)
+    dcp_to_torch_save(path, tmp_path / "ck.pt")
+    file_state = torch.load(tmp_path / "ck.pt", weights_only=False)["model"]
+    reference = build_decoder("neox", seed + 1)
+    reference.load_state_dict(file_state, strict=True)
+    assert list(file_state) == list(reference.state_dict())
+    assert any(k.endswith(".wq.weight") for k in file_state)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(value, saved[0]["state"][key]), key
+    for rank, loaded in enumerate(rtp_compile.launch(load_into_world_size, 2,
+                                                     args=("neox", path), timeout=120)):
         _assert_same(loaded, saved[0], rank)
 
 
