@@ -1,0 +1,109 @@
+"""More than one machine: `prog.module(mesh=...)` on a (replicas, ring) DeviceMesh, FSDP2's HSDP
+convention, next to DDP over every rank of the job, float64.
+
+Every rank trains on its own batch; each RTP group gathers its full gradients and compares them
+with DDP's (mean over all ranks), and the parameters after AdamW steps with DDP's. Meshes of
+2 x 2 (with gradient buckets small enough that their all-reduces start during backward), 2 x 1
+(replicas of one-rank rings) and 1 x 2 and 1-D (the ring alone); models with widths no ring
+size divides, BatchNorm statistics taken from the mesh's first rank; a backward that fails
+half-way with replicas, rolled back.
+"""
+import pytest
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import rtp_compile
+from jobs import buffers_like_ddp, failed_backward_leaves_state, train_next_to_ddp
+from zoo import batch, build
+
+TOL = 1e-9
+
+
+def mesh_parity(rank: int, world_size: int, shape: tuple, names: list, seed: int,
+                bucket_bytes: int | None = None) -> dict:
+    """Per model: train_next_to_ddp's errors for the module of this rank's place in a mesh of
+    `shape` (the last dim the ring), 3 AdamW steps; the module's job; and the errors a mesh
+    that does not fit the program raises. `bucket_bytes`: the replicas' gradient buckets."""
+    from rtp_compile.codegen import job_of
+    from rtp_compile.runtime import replicas
+    if bucket_bytes is not None:
+        replicas.BUCKET_BYTES = bucket_bytes
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "rtp")[-len(shape):])
+    ring = mesh.get_group(len(shape) - 1)
+    results = {}
+    for name in names:
+        model = build(name, seed)
+        prog = rtp_compile.transform(model, shape[-1])
+        gm = prog.module(mesh=mesh)
+        batches = [batch(name, seed, rank, step) for step in range(3)]
+        results[name] = train_next_to_ddp(prog, gm, model, batches, seed, lambda m, x: m(x),
+                                          lambda o: o, ring)
+    job = job_of(gm)
+    errors = []
+    for wrong in (lambda: rtp_compile.transform(model, shape[-1] + 1).module(mesh=mesh),
+                  lambda: prog.module(0, mesh=mesh)):
+        try:
+            wrong()
+        except ValueError as err:
+            errors.append(str(err))
+    return {"errors": results, "messages": errors,
+            "job": (job.rank, job.world_size, job.replica, job.replicas,
+                    job.replica_group_name is not None),
+            "place": (dist.get_rank(ring), mesh.get_local_rank(0) if len(shape) == 2 else 0)}
+
+
+def _check(results, shape):
+    for rank, result in enumerate(results):
+        for name, errors in result["errors"].items():
+            for what, err in errors.items():
+                assert err <= TOL, f"rank {rank} {name} on {shape}: {what} rel. error {err:.2e}"
+        ring_rank, replica = result["place"]
+        replicas = shape[0] if len(shape) == 2 else 1
+        assert result["job"] == (ring_rank, shape[-1], replica, replicas, len(shape) == 2)
+        wrong_size, both = result["messages"]
+        assert f"last dim has {shape[-1]} ranks" in wrong_size
+        assert "either mesh=... or rank" in both
+
+
+@pytest.mark.timeout(300)
+def test_2x2_mesh_equals_ddp_over_all_ranks(seed):
+    """Small buckets (64 bytes: about one per parameter), so they all-reduce during backward,
+    in an order the hooks do not decide."""
+    shape = (2, 2)
+    results = rtp_compile.launch(mesh_parity, 4, args=(shape, ["mlp", "gpt", "tiedbias"], seed,
+                                                       64), timeout=240)
+    _check(results, shape)
+    assert [r["place"] for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shape", [(2, 1), (1, 2), (2,)])
+def test_degenerate_meshes_equal_ddp(shape, seed):
+    results = rtp_compile.launch(mesh_parity, 2, args=(shape, ["mlp"], seed), timeout=240)
+    _check(results, shape)
+
+
+@pytest.mark.timeout(300)
+def test_buffers_come_from_the_mesh_first_rank(seed):
+    results = rtp_compile.launch(buffers_like_ddp, 4, args=(seed, True, (2, 2)), timeout=240)
+    for rank, result in enumerate(results):
+        assert result["buffers"] <= TOL and result["eval_output"] <= TOL, (rank, result)
+        assert "bn.running_mean" in result["names"]
+
+
+def failed_step_on_mesh(rank: int, world_size: int, seed: int, where: str) -> dict:
+    from rtp_compile.runtime import replicas
+    replicas.BUCKET_BYTES = 64  # buckets start during backward, before the failure
+    return failed_backward_leaves_state(rank, world_size, seed, where, mesh_shape=(2, 2))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["user", "unit"])
+def test_failed_backward_on_a_mesh_leaves_gradients_unreduced(where, seed):
+    """A backward that raises on every rank after some buckets' all-reduces started: every
+    `.grad` is as before it, nothing in flight, and training goes on equal to DDP."""
+    results = rtp_compile.launch(failed_step_on_mesh, 4, args=(seed, where), timeout=240)
+    for rank, result in enumerate(results):
+        assert result["raised"], rank
+        assert result["unchanged"] and result["left_in_flight"] == 0, (rank, result)
+        assert result["param"] <= TOL, (rank, result)
