@@ -65,45 +65,54 @@ def _check(results, shape):
         assert "either mesh=... or rank" in both
 
 
+def mesh_and_buffers(rank: int, world_size: int, seed: int) -> dict:
+    """2 x 2: mesh_parity with buckets of 64 bytes (about one per parameter, so they
+    all-reduce during backward, in an order the hooks do not decide), and buffers_like_ddp."""
+    return {"parity": mesh_parity(rank, world_size, (2, 2), ["gpt", "tiedbias"], seed, 64),
+            "buffers": buffers_like_ddp(rank, world_size, seed, True, (2, 2))}
+
+
 @pytest.mark.timeout(300)
 def test_2x2_mesh_equals_ddp_over_all_ranks(seed):
-    """Small buckets (64 bytes: about one per parameter), so they all-reduce during backward,
-    in an order the hooks do not decide."""
-    shape = (2, 2)
-    results = rtp_compile.launch(mesh_parity, 4, args=(shape, ["mlp", "gpt", "tiedbias"], seed,
-                                                       64), timeout=240)
-    _check(results, shape)
-    assert [r["place"] for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("shape", [(2, 1), (1, 2), (2,)])
-def test_degenerate_meshes_equal_ddp(shape, seed):
-    results = rtp_compile.launch(mesh_parity, 2, args=(shape, ["mlp"], seed), timeout=240)
-    _check(results, shape)
-
-
-@pytest.mark.timeout(300)
-def test_buffers_come_from_the_mesh_first_rank(seed):
-    results = rtp_compile.launch(buffers_like_ddp, 4, args=(seed, True, (2, 2)), timeout=240)
-    for rank, result in enumerate(results):
+    """Gradients and AdamW steps equal DDP's over the 4 ranks; BatchNorm statistics too (every
+    forward takes the mesh's first rank's, as DDP takes rank 0's)."""
+    results = rtp_compile.launch(mesh_and_buffers, 4, args=(seed,), timeout=240)
+    _check([r["parity"] for r in results], (2, 2))
+    assert [r["parity"]["place"] for r in results] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    for rank, result in enumerate(r["buffers"] for r in results):
         assert result["buffers"] <= TOL and result["eval_output"] <= TOL, (rank, result)
         assert "bn.running_mean" in result["names"]
 
 
-def failed_step_on_mesh(rank: int, world_size: int, seed: int, where: str) -> dict:
-    from rtp_compile.runtime import replicas
-    replicas.BUCKET_BYTES = 64  # buckets start during backward, before the failure
-    return failed_backward_leaves_state(rank, world_size, seed, where, mesh_shape=(2, 2))
+def degenerate_meshes(rank: int, world_size: int, seed: int) -> dict:
+    return {shape: mesh_parity(rank, world_size, shape, ["mlp"], seed)
+            for shape in [(2, 1), (1, 2), (2,)]}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("where", ["user", "unit"])
-def test_failed_backward_on_a_mesh_leaves_gradients_unreduced(where, seed):
-    """A backward that raises on every rank after some buckets' all-reduces started: every
-    `.grad` is as before it, nothing in flight, and training goes on equal to DDP."""
-    results = rtp_compile.launch(failed_step_on_mesh, 4, args=(seed, where), timeout=240)
-    for rank, result in enumerate(results):
-        assert result["raised"], rank
-        assert result["unchanged"] and result["left_in_flight"] == 0, (rank, result)
-        assert result["param"] <= TOL, (rank, result)
+def test_degenerate_meshes_equal_ddp(seed):
+    """2 x 1 (replicas of one-rank rings: data parallel alone), 1 x 2 and 1-D (the ring
+    alone)."""
+    results = rtp_compile.launch(degenerate_meshes, 2, args=(seed,), timeout=240)
+    for shape in results[0]:
+        _check([r[shape] for r in results], shape)
+
+
+def failed_steps_on_mesh(rank: int, world_size: int, seed: int) -> dict:
+    from rtp_compile.runtime import replicas
+    replicas.BUCKET_BYTES = 64  # buckets start during backward, before the failure
+    return {where: failed_backward_leaves_state(rank, world_size, seed, where, (2, 2))
+            for where in ("user", "unit")}
+
+
+@pytest.mark.timeout(300)
+def test_failed_backward_on_a_mesh_leaves_gradients_unreduced(seed):
+    """A backward that raises on every rank after some buckets' all-reduces started, in the
+    model's own code (rolled back by the next forward) or in a unit: every `.grad` is as
+    before it, nothing in flight, and training goes on equal to DDP."""
+    results = rtp_compile.launch(failed_steps_on_mesh, 4, args=(seed,), timeout=240)
+    for rank, per_where in enumerate(results):
+        for where, result in per_where.items():
+            assert result["raised"], (rank, where)
+            assert result["unchanged"] and result["left_in_flight"] == 0, (rank, where, result)
+            assert result["param"] <= TOL, (rank, where, result)
