@@ -5,15 +5,22 @@ Every rank trains on its own batch; each RTP group gathers its full gradients an
 with DDP's (mean over all ranks), and the parameters after AdamW steps with DDP's. Meshes of
 2 x 2 (with gradient buckets small enough that their all-reduces start during backward), 2 x 1
 (replicas of one-rank rings) and 1 x 2 and 1-D (the ring alone); models with widths no ring
-size divides, BatchNorm statistics taken from the mesh's first rank; a backward that fails
-half-way with replicas, rolled back.
+size divides, BatchNorm statistics taken from the mesh's first rank, summed gradients
+(`grad_reduction="sum"`); a backward that fails
+half-way with replicas, or a reduction that fails, rolled back.
 """
+import copy
+
 import pytest
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rtp_compile
-from jobs import buffers_like_ddp, failed_backward_leaves_state, train_next_to_ddp
+from rtp_compile.runtime.transaction import GradTransaction
+from jobs import (buffers_like_ddp, failed_backward_leaves_state, gathered_grads, grad_errors,
+                  loss_of, train_next_to_ddp)
 from zoo import batch, build
 
 TOL = 1e-9
@@ -65,11 +72,26 @@ def _check(results, shape):
         assert "either mesh=... or rank" in both
 
 
+def summed_grads(rank: int, world_size: int, shape: tuple, seed: int) -> float:
+    """grad_reduction="sum": the gathered gradients against DDP's (a mean) times the ranks."""
+    mesh = init_device_mesh("cpu", shape)
+    model = build("mlp", seed)
+    prog = rtp_compile.transform(model, shape[-1], grad_reduction="sum")
+    gm, ddp = prog.module(mesh=mesh), DDP(copy.deepcopy(model))
+    x = batch("mlp", seed, rank, 0)
+    loss_of(gm(x), seed).backward()
+    loss_of(ddp(x), seed).backward()
+    return grad_errors(gathered_grads(prog, gm, mesh.get_group(1)),
+                       {n: world_size * ddp.module.get_parameter(n).grad for n in prog.plan.params})
+
+
 def mesh_and_buffers(rank: int, world_size: int, seed: int) -> dict:
     """2 x 2: mesh_parity with buckets of 64 bytes (about one per parameter, so they
-    all-reduce during backward, in an order the hooks do not decide), and buffers_like_ddp."""
+    all-reduce during backward, in an order the hooks do not decide), buffers_like_ddp and
+    summed_grads."""
     return {"parity": mesh_parity(rank, world_size, (2, 2), ["gpt", "tiedbias"], seed, 64),
-            "buffers": buffers_like_ddp(rank, world_size, seed, True, (2, 2))}
+            "buffers": buffers_like_ddp(rank, world_size, seed, True, (2, 2)),
+            "sum": summed_grads(rank, world_size, (2, 2), seed)}
 
 
 @pytest.mark.timeout(300)
@@ -82,6 +104,7 @@ def test_2x2_mesh_equals_ddp_over_all_ranks(seed):
     for rank, result in enumerate(r["buffers"] for r in results):
         assert result["buffers"] <= TOL and result["eval_output"] <= TOL, (rank, result)
         assert "bn.running_mean" in result["names"]
+    assert all(r["sum"] <= TOL for r in results), [r["sum"] for r in results]
 
 
 def degenerate_meshes(rank: int, world_size: int, seed: int) -> dict:
@@ -116,3 +139,37 @@ def test_failed_backward_on_a_mesh_leaves_gradients_unreduced(seed):
             assert result["raised"], (rank, where)
             assert result["unchanged"] and result["left_in_flight"] == 0, (rank, where, result)
             assert result["param"] <= TOL, (rank, where, result)
+
+
+def test_a_failed_replica_reduction_rolls_back():
+    """The replicas' all-reduce fails at the end of backward (a replica left): `.grad` is as
+    before the backward, not this backward's unreduced gradient added to it."""
+
+    class LostReplica:
+        def begin(self):
+            pass
+
+        def finish(self):
+            raise RuntimeError("a replica left")
+
+        def abandon(self):
+            pass
+
+    w = torch.nn.Parameter(torch.ones(3))
+    w.grad = torch.full((3,), 5.0)
+    transaction = GradTransaction(LostReplica())
+    transaction.enter_forward([w])
+
+    class OpensTransaction(torch.autograd.Function):  # what a unit's backward does first
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            transaction.open()
+            return grad
+
+    with pytest.raises(RuntimeError, match="a replica left"):
+        (OpensTransaction.apply(w) * 2).sum().backward()
+    assert torch.equal(w.grad, torch.full((3,), 5.0)) and transaction.set_aside is None
