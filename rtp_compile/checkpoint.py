@@ -50,11 +50,15 @@ def save(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None, ex
          *, process_group: dist.ProcessGroup | None = None) -> None:
     """Collective (every rank of the job, `process_group` default the whole job): write `gm`'s
     shards, its buffers, `optimizer`'s state and this rank's `extra` (any picklable value:
-    step, data position, this rank's RNG state) to the DCP checkpoint directory `path`."""
-    prog, rank = program_of(gm), job_of(gm).rank
-    state = {"model": _model_entries(prog, gm, rank, _job_rank(process_group) == 0)}
-    if optimizer is not None:
-        state["optimizer"] = _optimizer_entries(prog, gm, optimizer, rank)
+    step, data position, this rank's RNG state) to the DCP checkpoint directory `path`. On a
+    2-D mesh (`prog.module(mesh=...)`) only the first replica's ring writes the model and the
+    optimizer; every rank writes its `extra`."""
+    prog, job = program_of(gm), job_of(gm)
+    state = {}
+    if job.replica == 0:  # data-parallel replicas (a 2-D mesh) hold the same shards: one writes
+        state["model"] = _model_entries(prog, gm, job.rank, _job_rank(process_group) == 0)
+        if optimizer is not None:
+            state["optimizer"] = _optimizer_entries(prog, gm, optimizer, job.rank)
     buffer = io.BytesIO()
     torch.save(extra, buffer)
     state["extra"] = {f"rank{_job_rank(process_group)}": buffer.getvalue()}

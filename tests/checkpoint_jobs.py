@@ -6,10 +6,13 @@ import signal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rtp_compile
+from rtp_compile.codegen import job_of
+from rtp_compile.runtime.ring import resolve_group
 from jobs import LR, loss_of, param_errors, rel_err
 from rtp_compile import checkpoint
 from decoders import DECODERS, DecoderConfig, build_decoder, decoder_batch
@@ -80,12 +83,17 @@ def train_with_checkpoints(rank: int, world_size: int, name: str, path: str, ste
 
 
 def save_after_steps(rank: int, world_size: int, name: str, path: str, steps: int,
-                     seed: int) -> dict:
-    """`steps` AdamW steps of zoo model `name` on per-rank batches, then a checkpoint; returns
-    what `full_state_and_moments` gives."""
+                     seed: int, mesh_shape: tuple[int, int] | None = None) -> dict:
+    """`steps` AdamW steps of zoo model `name` on per-rank batches (on a 2-D (replicas, ring)
+    mesh of `mesh_shape`), then a checkpoint; returns what `full_state_and_moments` gives."""
     torch.manual_seed(seed * 100 + rank)
-    prog = program(name, seed, world_size)
-    gm = prog.module(rank)
+    if mesh_shape is None:
+        prog = program(name, seed, world_size)
+        gm = prog.module(rank)
+    else:
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "rtp"))
+        prog = program(name, seed, mesh_shape[1])
+        gm = prog.module(mesh=mesh)
     opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1)
     for step in range(steps):
         loss_of(gm(draw_batch(name)), step).backward()
@@ -97,13 +105,13 @@ def save_after_steps(rank: int, world_size: int, name: str, path: str, steps: in
 
 def full_state_and_moments(prog, gm, opt) -> dict:
     """The full state dict, and every parameter's full AdamW moments and step count."""
-    moments = {}
+    moments, ring = {}, resolve_group(job_of(gm).group_name)
     for name, p in gm.named_parameters():
         state, layout = opt.state[p], prog.plan.params[name]
         full = []
         for key in ("exp_avg", "exp_avg_sq"):
             shards = [torch.empty_like(state[key]) for _ in range(prog.world_size)]
-            dist.all_gather(shards, state[key])
+            dist.all_gather(shards, state[key], group=ring)
             full.append(layout.unshard(shards))
         moments[name] = (*full, state["step"].item())
     return {"state": prog.full_state_dict(gm), "moments": moments}

@@ -90,6 +90,20 @@ def test_buffers_and_conv_kernels_reshard_too(tmp_path, seed):
 
 
 @pytest.mark.timeout(300)
+def test_a_2x2_mesh_saves_once_per_ring_and_loads_into_3_ranks(tmp_path, seed):
+    # replicas hold the same shards: only the first replica's ring (global ranks 0 and 1)
+    # writes the model and optimizer; the others' files hold only their own `extra`
+    path = tmp_path / "ck"
+    saved = rtp_compile.launch(save_after_steps, 4, args=("gpt", str(path), 2, seed, (2, 2)),
+                               timeout=120)
+    size = {r: (path / f"__{r}_0.distcp").stat().st_size for r in range(4)}
+    assert max(size[2], size[3]) < 10_000 < min(size[0], size[1]), size
+    for rank, loaded in enumerate(rtp_compile.launch(load_into_world_size, 3,
+                                                     args=("gpt", str(path)), timeout=120)):
+        _assert_same(loaded, saved[0], rank)
+
+
+@pytest.mark.timeout(300)
 def test_a_model_whose_hooks_split_a_packed_qkv_saves_and_loads_its_own_keys(tmp_path, seed):
     # NeoX keeps one wqkv and its state_dict speaks wq / wk / wv (state-dict hooks): the
     # checkpoint holds the model's own keys, the unsharded model loads dcp_to_torch_save's file
