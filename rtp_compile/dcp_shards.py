@@ -107,13 +107,17 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class ShardSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, looking up `ShardChunks` boxes; each box is written from a
-    compact copy (torch.save of a view would write the whole shard's storage)."""
+    """DCP's default save planner, looking up `ShardChunks` boxes. A box that is its shard's
+    whole storage (a shard without padding) is written as it is; any other is written from a
+    compact copy, since torch.save of a view writes all of the storage under it."""
 
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]
         if isinstance(obj, ShardChunks):
-            return obj.__get_tensor_shard__(index).detach().clone()
+            box = obj.__get_tensor_shard__(index).detach()
+            whole = box.is_contiguous() and box.storage_offset() == 0 and \
+                box.numel() * box.element_size() == box.untyped_storage().nbytes()
+            return box if whole else box.clone()
         return super().lookup_object(index)
 
 
