@@ -18,6 +18,8 @@ ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))  # token i is ALPHABET
 VOCAB_SIZE = len(ALPHABET)  # 96
 TEXT_FILE = "tinyshakespeare.txt"
 _INDEX = {ch: i for i, ch in enumerate(ALPHABET)}
+_TABLE = torch.full((128,), -1, dtype=torch.long)  # ASCII code -> token id, -1: not a token
+_TABLE[[ord(ch) for ch in ALPHABET]] = torch.arange(len(ALPHABET))
 
 
 def load_text(name: str = TEXT_FILE) -> str:
@@ -27,16 +29,24 @@ def load_text(name: str = TEXT_FILE) -> str:
 
 def encode(text: str) -> torch.Tensor:
     """Token ids of `text`, int64 [len(text)]; ValueError naming a character outside ALPHABET."""
-    try:
-        return torch.tensor([_INDEX[ch] for ch in text], dtype=torch.long)
-    except KeyError as exc:
-        raise ValueError(f"encode: character {exc.args[0]!r} is not in the alphabet (newline "
-                         "and printable ASCII); replace it first") from None
+    bad = None
+    if text.isascii():
+        ids = _TABLE[torch.tensor(list(text.encode("ascii")), dtype=torch.long)]
+        if bool((ids < 0).any()):
+            bad = text[int((ids < 0).nonzero()[0])]
+    else:
+        bad = next(ch for ch in text if not ch.isascii())
+    if bad is not None:
+        raise ValueError(f"encode: character {bad!r} is not in the alphabet (newline and "
+                         "printable ASCII); replace it first")
+    return ids
 
 
 def decode(ids) -> str:
     """The text of token ids (a tensor or a sequence of ints)."""
-    return "".join(ALPHABET[int(i)] for i in ids)
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist()
+    return "".join(ALPHABET[i] for i in ids)
 
 
 def split(tokens: torch.Tensor, held_out: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from rtp_compile.compiler import transform
 from rtp_compile.corpus import TEXT_FILE, TextBatches, decode, encode, load_text, split, windows
-from rtp_compile.models import GPTConfig, TinyGPT, generate, lm_loss
+from rtp_compile.models import TinyGPT, generate, lm_loss
 from rtp_compile.runtime.launch import launch
 from rtp_compile.tables import format_table
 
