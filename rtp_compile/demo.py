@@ -103,7 +103,8 @@ class _Progress:
         if enabled:
             from tqdm import tqdm
             self.bar = tqdm(total=steps, initial=start, desc="training", unit="step",
-                            file=sys.stderr, dynamic_ncols=True)
+                            file=sys.stderr, dynamic_ncols=True,
+                            mininterval=0.1 if sys.stderr.isatty() else 5.0)  # logs: fewer lines
         self.tokens_per_step = tokens_per_step
         self.recent = collections.deque(maxlen=20)  # RTP seconds of the last steps
 
