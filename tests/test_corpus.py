@@ -61,7 +61,16 @@ def test_a_restored_position_resumes_the_same_stream_across_epochs():
     assert not all(torch.equal(x, ox) for (x, _), (ox, _) in zip(again, other))
 
 
-def test_generate_is_reproducible_by_seed_and_greedy_at_temperature_zero():
+@pytest.fixture
+def one_thread():
+    """Tiny forwards on one thread: two threads on 2 cores shared with other jobs wait ~0.3 s each."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_generate_is_reproducible_by_seed_and_greedy_at_temperature_zero(one_thread):
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(block_size=8))
     prompt = encode("ROMEO:\n")
