@@ -1,8 +1,9 @@
-"""Command line of rtp_compile: `rtp-compile demo` trains TinyGPT on Shakespeare, `rtp-compile inspect` shows
-what the compiler makes of a model (plan, per-op report, one rank's generated code),
-`rtp-compile plan` predicts per-rank memory of models far larger than this machine (built on
-the meta device), `rtp-compile bench` measures step time, memory and traffic next to DDP, FSDP2
-and DTensor tensor parallel (`--memory`: memory by category next to the cost model)."""
+"""Command line of rtp_compile: `rtp-compile demo` trains TinyGPT on Shakespeare next to DDP,
+`rtp-compile inspect` shows what the compiler makes of a model (plan, per-op report, one rank's
+generated code), `rtp-compile plan` predicts per-rank memory of models far larger than this
+machine (built on the meta device), `rtp-compile bench` measures step time, memory and traffic
+next to DDP, FSDP2 and DTensor tensor parallel (`--memory`: memory by category next to the cost
+model)."""
 from __future__ import annotations
 
 import argparse

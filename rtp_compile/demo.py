@@ -185,13 +185,13 @@ def run_demo(world_size: int = 2, steps: int = STEPS, seed: int = 0, *,
     step (`rtp_peak_bytes`, `ddp_peak_bytes`, None without `track_memory`), the median
     seconds per step (`rtp_step_s`, `ddp_step_s`, `step_time_ratio`), tokens per second of all
     ranks (`rtp_tokens_per_s`, `ddp_tokens_per_s`), `max_loss_diff` (largest |RTP - DDP| loss
-    over all steps; `early_loss_diff`: over the first EARLY_STEPS), the held-out loss of the initial model and of the trained RTP and DDP
-    models (`held_out_before`, `held_out_rtp`, `held_out_ddp`), the largest difference of a
-    gathered RTP parameter from DDP's (`max_param_diff`), the text sampled from the trained
-    RTP model (`sample`, starting with PROMPT) and the wall seconds of the training loop
-    (`train_s`). `dtype` is the model's (float32, or float64 to compare RTP with DDP
-    to rounding over a whole run). `progress` shows rank 0's progress bar on stderr. `timeout` bounds the job
-    (default 300 s plus 1 s a step).
+    over all steps; `early_loss_diff`: over the first EARLY_STEPS), the held-out loss of the
+    initial model and of the trained RTP and DDP models (`held_out_before`, `held_out_rtp`,
+    `held_out_ddp`), the largest difference of a gathered RTP parameter from DDP's
+    (`max_param_diff`), the text sampled from the trained RTP model (`sample`, starting with
+    PROMPT) and the wall seconds of the training loop (`train_s`). `dtype` is the model's
+    (float32, or float64 to compare RTP with DDP to rounding over a whole run). `progress` shows
+    rank 0's progress bar on stderr. `timeout` bounds the job (default 300 s plus 1 s a step).
     """
     if steps < 1:
         raise ValueError(f"run_demo: steps must be >= 1, got {steps}")

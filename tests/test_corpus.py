@@ -63,7 +63,7 @@ def test_a_restored_position_resumes_the_same_stream_across_epochs():
 
 @pytest.fixture
 def one_thread():
-    """Tiny forwards on one thread: two threads on 2 cores shared with other jobs wait ~0.3 s each."""
+    """Tiny forwards on one thread: two threads on 2 shared cores wait ~0.3 s a forward."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
