@@ -48,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                       help="the model's dtype (default float32; float64 shows RTP and DDP agree "
                            "to rounding over the whole run)")
+    demo.add_argument("--checkpoint-dir", metavar="DIR",
+                      help="save the RTP program and the DDP replica there (DCP checkpoints) "
+                           "every --checkpoint-every steps")
+    demo.add_argument("--checkpoint-every", type=_positive_int, default=100,
+                      help="steps between checkpoints (default 100)")
+    demo.add_argument("--resume", action="store_true",
+                      help="continue from the checkpoint in --checkpoint-dir up to --steps")
     demo.set_defaults(run=_run_demo)
 
     inspect = commands.add_parser(
@@ -103,8 +110,11 @@ def _run_demo(args: argparse.Namespace) -> None:
 
     import torch
 
+    if args.resume and not args.checkpoint_dir:
+        raise UsageError("--resume needs --checkpoint-dir, the directory to resume from")
     run_demo(world_size=args.world_size, steps=args.steps, seed=args.seed,
-             dtype=getattr(torch, args.dtype))
+             dtype=getattr(torch, args.dtype), checkpoint_dir=args.checkpoint_dir,
+             checkpoint_every=args.checkpoint_every, resume=args.resume)
 
 
 def _run_inspect(args: argparse.Namespace) -> None:

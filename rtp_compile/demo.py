@@ -122,9 +122,13 @@ class _Progress:
 
 
 def _rank_job(rank: int, world_size: int, model: TinyGPT, steps: int, seed: int,
-              track_memory: bool, progress: bool) -> dict:
+              track_memory: bool, progress: bool, checkpoint_dir: str | None = None,
+              checkpoint_every: int = 0, resume: bool = False) -> dict:
     """Runs on each rank: train the RTP program and a DDP replica side by side on the text;
-    on rank 0, also the held-out losses, the parameters' distance and the sample."""
+    on rank 0, also the held-out losses, the parameters' distance and the sample. With
+    `checkpoint_dir`, both are saved every `checkpoint_every` steps (RTP with
+    `rtp_compile.checkpoint` to <dir>/rtp, DDP with DCP to <dir>/ddp); `resume` starts from
+    there."""
     train_tokens, held_tokens = split(encode(load_text()))
     out = {"rtp_loss": [], "ddp_loss": [], "rtp_s": [], "ddp_s": [],
            "rtp_peak": None, "ddp_peak": None}
@@ -139,10 +143,11 @@ def _rank_job(rank: int, world_size: int, model: TinyGPT, steps: int, seed: int,
     out["rtp_param_bytes"], out["ddp_param_bytes"] = param_bytes(gm), param_bytes(ddp.module)
     batches = TextBatches(train_tokens, model.cfg.block_size, BATCH_SIZE, rank, world_size, seed)
 
-    # The training state is (gm, rtp_opt, ddp, ddp_opt, step, batches.state_dict()): a resume
-    # restores these here, before the loop; a checkpoint every k steps saves them at the end of
-    # the loop's body. The batches of a step depend only on the seed and the batches' position.
+    # The training state: both models and optimizers, the step, the batches' position, and
+    # what was recorded so far. The batches of a step depend only on the seed and the position.
     step = 0
+    if resume:
+        step = _load(checkpoint_dir, gm, rtp_opt, ddp, ddp_opt, batches, out)
     bar = _Progress(step, steps, world_size * BATCH_SIZE * model.cfg.block_size,
                     progress and rank == 0)
     start = time.perf_counter()
@@ -157,6 +162,8 @@ def _rank_job(rank: int, world_size: int, model: TinyGPT, steps: int, seed: int,
                 out[f"{name}_peak"] = peak
         step += 1
         bar.update(out["rtp_loss"][-1], out["rtp_s"][-1])
+        if checkpoint_dir and checkpoint_every and step % checkpoint_every == 0:
+            _save(checkpoint_dir, step, gm, rtp_opt, ddp, ddp_opt, batches, out)
     bar.close()
     out["train_s"] = time.perf_counter() - start
 
@@ -173,9 +180,42 @@ def _rank_job(rank: int, world_size: int, model: TinyGPT, steps: int, seed: int,
     return out
 
 
+def _save(directory: str, step: int, gm, rtp_opt, ddp, ddp_opt, batches, out: dict) -> None:
+    """Collective: the RTP program's checkpoint (its shards; the step, this rank's batch
+    position and records as `extra`) and DDP's, each a standard DCP directory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from rtp_compile import checkpoint
+    checkpoint.save(f"{directory}/rtp", gm, rtp_opt,
+                    extra={"step": step, "batches": batches.state_dict(), "out": out})
+    model_state, optim_state = get_state_dict(ddp, ddp_opt)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=f"{directory}/ddp")
+
+
+def _load(directory: str, gm, rtp_opt, ddp, ddp_opt, batches, out: dict) -> int:
+    """Collective: what `_save` wrote, back into both models, optimizers, the batches and the
+    records; returns the step to continue from."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from rtp_compile import checkpoint
+    extra = checkpoint.load(f"{directory}/rtp", gm, rtp_opt)
+    model_state, optim_state = get_state_dict(ddp, ddp_opt)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=f"{directory}/ddp")
+    set_state_dict(ddp, ddp_opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    batches.load_state_dict(extra["batches"])
+    out.update({k: v for k, v in extra["out"].items() if k != "held_out_before"})
+    return extra["step"]
+
+
 def run_demo(world_size: int = 2, steps: int = STEPS, seed: int = 0, *,
              dtype: torch.dtype = torch.float32, track_memory: bool = True,
-             progress: bool = True, timeout: float | None = None) -> dict:
+             progress: bool = True, timeout: float | None = None,
+             checkpoint_dir: str | None = None, checkpoint_every: int = 100,
+             resume: bool = False) -> dict:
     """Train TinyGPT on the shipped Shakespeare text with RTP and DDP side by side on
     `world_size` CPU ranks; print and return.
 
@@ -192,13 +232,19 @@ def run_demo(world_size: int = 2, steps: int = STEPS, seed: int = 0, *,
     PROMPT) and the wall seconds of the training loop (`train_s`). `dtype` is the model's
     (float32, or float64 to compare RTP with DDP to rounding over a whole run). `progress` shows
     rank 0's progress bar on stderr. `timeout` bounds the job (default 300 s plus 1 s a step).
+    `checkpoint_dir`: save both models every `checkpoint_every` steps there; `resume`: continue
+    from the checkpoint there up to `steps` in all (the records of the steps before it come
+    back with it).
     """
+    if resume and not checkpoint_dir:
+        raise ValueError("run_demo: resume needs the checkpoint_dir to resume from")
     if steps < 1:
         raise ValueError(f"run_demo: steps must be >= 1, got {steps}")
     torch.manual_seed(seed)
     model = TinyGPT().to(dtype)
     print(format_header(model, world_size, steps), flush=True)
-    ranks = launch(_rank_job, world_size, args=(model, steps, seed, track_memory, progress),
+    ranks = launch(_rank_job, world_size, args=(model, steps, seed, track_memory, progress,
+                                                checkpoint_dir, checkpoint_every, resume),
                    timeout=300.0 + steps if timeout is None else timeout)
     result = _summarise(model, world_size, steps, seed, ranks)
     print(format_result(result), flush=True)

@@ -1,3 +1,5 @@
+import os
+import random
 """Tests for the command line (`python -m rtp_compile`) and the RTP-vs-DDP demo: real runs,
 real spawned ranks, no mocks."""
 
@@ -62,9 +64,18 @@ def test_demo_command_trains_on_the_text_and_writes_a_sample():
     assert "training: 100%" in proc.stderr and "20/20" in proc.stderr  # rank 0's tqdm bar
 
 
+@pytest.fixture(scope="module")
+def float64_demo():
+    """20 steps of the demo in float64, at a fresh seed (printed, replayed by RTP_TEST_SEED)."""
+    seed = int(os.environ.get("RTP_TEST_SEED", random.randrange(1_000_000)))
+    print(f"RTP_TEST_SEED={seed}")
+    return seed, run_demo(world_size=2, steps=20, seed=seed, dtype=torch.float64,
+                          progress=False)
+
+
 @pytest.mark.timeout(300)
-def test_demo_in_float64_matches_ddp_to_rounding_and_learns_the_text(seed):
-    result = run_demo(world_size=2, steps=20, seed=seed, dtype=torch.float64, progress=False)
+def test_demo_in_float64_matches_ddp_to_rounding_and_learns_the_text(float64_demo):
+    _, result = float64_demo
     rtp, ddp = result["rtp_loss"], result["ddp_loss"]
     assert len(rtp) == len(ddp) == 20
     for step in range(20):
@@ -81,6 +92,23 @@ def test_demo_in_float64_matches_ddp_to_rounding_and_learns_the_text(seed):
     sample = result["sample"]
     assert sample.startswith(PROMPT) and len(sample) == len(PROMPT) + SAMPLE_CHARS
     assert set(sample) <= set(ALPHABET)
+
+
+@pytest.mark.timeout(300)
+def test_the_demo_stopped_and_resumed_from_its_checkpoint_trains_as_if_never_stopped(
+        float64_demo, tmp_path):
+    # 13 steps saving every 6 (the last checkpoint is step 12's), then resumed up to 20: every
+    # loss of RTP and of the DDP replica equals the uninterrupted run's, bitwise
+    seed, straight = float64_demo
+    directory = str(tmp_path / "ck")
+    run_demo(world_size=2, steps=13, seed=seed, dtype=torch.float64, progress=False,
+             track_memory=False, checkpoint_dir=directory, checkpoint_every=6)
+    resumed = run_demo(world_size=2, steps=20, seed=seed, dtype=torch.float64, progress=False,
+                       track_memory=False, checkpoint_dir=directory, resume=True)
+    assert resumed["rtp_loss"][12:] == straight["rtp_loss"][12:]
+    assert resumed["ddp_loss"][12:] == straight["ddp_loss"][12:]
+    assert resumed["rtp_loss"][:12] == straight["rtp_loss"][:12]  # the records came back
+    assert resumed["sample"] == straight["sample"]
 
 
 @pytest.mark.timeout(300)
