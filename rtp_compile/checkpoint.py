@@ -26,6 +26,7 @@ checkpoint has been read and checked.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
@@ -64,19 +66,21 @@ def save(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None, ex
     state["extra"] = {f"rank{_job_rank(process_group)}": buffer.getvalue()}
     final = Path(path)
     staging = final.with_name(final.name + ".partial")
-    if _job_rank(process_group) == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-    _barrier(process_group)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), planner=ShardSavePlanner(),
-             process_group=process_group)
-    if _job_rank(process_group) == 0:  # every rank has written and the metadata is complete
-        previous = final.with_name(final.name + ".previous")
-        shutil.rmtree(previous, ignore_errors=True)
-        if final.exists():
-            os.rename(final, previous)
-        os.rename(staging, final)
-        shutil.rmtree(previous, ignore_errors=True)
-    _barrier(process_group)
+    with _collective("save", process_group,
+                     f"{final} still holds the previous checkpoint, if any"):
+        if _job_rank(process_group) == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        _barrier(process_group)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(staging),
+                 planner=ShardSavePlanner(), process_group=process_group)
+        if _job_rank(process_group) == 0:  # every rank has written; the metadata is complete
+            previous = final.with_name(final.name + ".previous")
+            shutil.rmtree(previous, ignore_errors=True)
+            if final.exists():
+                os.rename(final, previous)
+            os.rename(staging, final)
+            shutil.rmtree(previous, ignore_errors=True)
+        _barrier(process_group)
 
 
 def load(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -99,8 +103,9 @@ def load(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     own = f"rank{_job_rank(process_group)}"
     extra_key = own if f"extra.{own}" in metadata.state_dict_metadata else "rank0"
     state["extra"] = {extra_key: None}
-    dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(),
-             process_group=process_group)
+    with _collective("load", process_group, "no parameter or optimizer state was changed"):
+        dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(),
+                 process_group=process_group)
     _copy_model(prog, gm, rank, state["model"], metadata)
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state_dict(gm, optimizer, state["optimizer"]))
@@ -302,6 +307,22 @@ def _optimizer_state_dict(gm: nn.Module, optimizer: torch.optim.Optimizer, loade
 # -- helpers ---------------------------------------------------------------------------------
 def _describe(md) -> str:
     return f"shape {tuple(md.size)}" if isinstance(md, TensorStorageMetadata) else "not a tensor"
+
+
+@contextlib.contextmanager
+def _collective(what: str, group, state_note: str):
+    """Name this rank and the likely cause when a save's or load's collective fails: a peer
+    that died (gloo says only "connection closed by peer" and an address) or raised."""
+    try:
+        yield
+    except (RuntimeError, CheckpointException) as err:
+        if not dist.is_initialized():
+            raise
+        raise RuntimeError(
+            f"rtp_compile.checkpoint.{what}: rank {dist.get_rank(group)} of "
+            f"{dist.get_world_size(group)} failed in the {what}'s collectives: another rank "
+            f"probably died or raised (see its error); {state_note}. "
+            f"{type(err).__name__}: {err}") from err
 
 
 def _job_rank(group) -> int:

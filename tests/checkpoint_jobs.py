@@ -169,3 +169,21 @@ def load_into_world_size(rank: int, world_size: int, name: str, path: str) -> di
     opt = torch.optim.AdamW(gm.parameters(), lr=LR)
     checkpoint.load(path, gm, opt)
     return full_state_and_moments(prog, gm, opt)
+
+
+def die_mid_save(rank: int, world_size: int, report_dir: str) -> None:
+    """Rank 1 is killed while its part of a save is being written; the others write what they
+    raised, and when, to `report_dir`, and re-raise."""
+    import pathlib
+    import time
+    gm = program("gpt", 0, world_size).module(rank)
+    opt = torch.optim.AdamW(gm.parameters())
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        checkpoint.save(f"{report_dir}/ck", gm, opt,
+                        extra=DieWhenPickled() if rank == 1 else None)
+    except RuntimeError as err:
+        (pathlib.Path(report_dir) / f"rank{rank}.txt").write_text(
+            f"{time.monotonic() - start:.2f}\n{err}")
+        raise

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import rtp_compile
-from checkpoint_jobs import (load_into_world_size, resharded_steps_match_ddp,
+from checkpoint_jobs import (die_mid_save, load_into_world_size, resharded_steps_match_ddp,
                              save_after_steps, train_with_checkpoints)
 from rtp_compile import checkpoint
 from decoders import build_decoder
@@ -47,6 +47,20 @@ def test_a_killed_run_resumes_bitwise_from_its_last_checkpoint(die, straight_run
         assert state.keys() == want_state.keys()
         for key in state:
             assert torch.equal(state[key], want_state[key]), (rank, key)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_dying_mid_save_makes_the_others_raise_at_once_saying_so(tmp_path):
+    with pytest.raises(rtp_compile.RankError) as err:
+        rtp_compile.launch(die_mid_save, 3, args=(str(tmp_path),), timeout=60)
+    assert err.value.rank == 1 and "SIGKILL" in str(err.value), err.value
+    assert multiprocessing.active_children() == []
+    for rank in (0, 2):
+        seconds, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        assert float(seconds) < 10, (rank, seconds)  # not the group's 60 s timeout
+        assert f"checkpoint.save: rank {rank} of 3 failed" in message, message
+        assert "another rank probably died" in message, message
+    assert not (tmp_path / "ck").exists()  # no checkpoint that looks complete
 
 
 @pytest.fixture(scope="module")
