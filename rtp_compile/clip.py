@@ -15,6 +15,7 @@ from torch import nn
 
 from rtp_compile.codegen import job_of
 from rtp_compile.layout import real_part
+from rtp_compile.program import program_of
 from rtp_compile.runtime.ring import resolve_group
 
 
@@ -26,6 +27,8 @@ def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
     Collective: every rank of the module's group calls it, at the same point. Equals
     `torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm, norm_type)` on the
     unsharded gradients (float64: to rounding); padding entries of the shards are not counted.
+    On a 2-D mesh the norm is the module's ring's: its replicas hold equal gradients once
+    backward has all-reduced them.
 
     Do not call `torch.nn.utils.clip_grad_norm_(gm.parameters(), ...)` on a rank module: it
     computes a local norm over this rank's shards only, different on every rank::
@@ -42,8 +45,7 @@ def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
     if not norm_type > 0:
         raise ValueError(f"rtp_compile.clip_grad_norm_: norm_type must be > 0 or inf, got "
                          f"{norm_type}")
-    job = job_of(gm)
-    layouts = gm.rtp_layouts
+    job, layouts = job_of(gm), program_of(gm).plan.params
     params = [p for p in gm.parameters() if p.grad is not None]
     local = torch.nn.utils.get_total_norm(
         [part for name, p in gm.named_parameters() if p.grad is not None
