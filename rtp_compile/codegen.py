@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from rtp_compile.checkpoint_regions import outline_checkpoints
+from rtp_compile.activation_checkpoints import outline_checkpoints
 from rtp_compile.op_rules import Combine
 from rtp_compile.passes.context import Context
 from rtp_compile.passes.rotate import gathered_op, gathered_small
