@@ -14,8 +14,28 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rtp_compile
-from rtp_compile.demo import BATCH_SIZE, batch_seed, make_batch
-from rtp_compile.models import TinyGPT, lm_loss
+from rtp_compile.models import GPTConfig, TinyGPT, lm_loss
+
+BATCH_SIZE = 16  # sequences per rank per step
+MULTIPLIER, INCREMENT = 5, 3  # next token = (prev * 5 + 3) % vocab: a permutation of the vocab
+
+
+def batch_seed(seed: int, rank: int, step: int) -> int:
+    """The generator seed of one rank's batch at one step, distinct for every (seed, rank, step)."""
+    # seed + rank + step would hand rank 1 at step s the batch of rank 0 at step s + 1.
+    return (seed * 1_000_003 + step) * 1_009 + rank
+
+
+def make_batch(cfg: GPTConfig, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences that start at a random token and continue with next = (prev * 5 + 3) % vocab
+    (the data the demo trained on before it read Shakespeare; the soak's numbers in the README
+    were measured on it). Returns (inputs, targets), both [batch_size, block_size]."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(cfg.vocab_size, (batch_size,), generator=gen)]
+    for _ in range(cfg.block_size):
+        tokens.append((tokens[-1] * MULTIPLIER + INCREMENT) % cfg.vocab_size)
+    seq = torch.stack(tokens, dim=1)
+    return seq[:, :-1], seq[:, 1:]
 
 
 def _peak_bytes(module, opt, idx, targets) -> int:

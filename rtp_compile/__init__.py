@@ -7,3 +7,12 @@ from rtp_compile.program import RTPProgram
 from rtp_compile.runtime.launch import RankError, launch
 
 __all__ = ["transform", "launch", "RTPProgram", "CaptureError", "RankError", "materialize_full"]
+
+
+def __getattr__(name: str):
+    """`rtp_compile.checkpoint` on first use (torch.distributed.checkpoint takes ~0.7 s to
+    import, which a job that never saves need not pay)."""
+    if name == "checkpoint":
+        import importlib
+        return importlib.import_module("rtp_compile.checkpoint")
+    raise AttributeError(f"module 'rtp_compile' has no attribute {name!r}")

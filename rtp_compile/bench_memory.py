@@ -30,10 +30,10 @@ CATEGORIES = ("PARAM", "GRAD", "OPT", "ACT", "TEMP")
 KINDS = ("ddp", "fsdp2", "rtp")
 
 
-def _wrap(kind: str, rank: int, world_size: int):
+def _wrap(kind: str, rank: int, world_size: int, config: GPTConfig = CONFIG):
     """A fresh model (same seed on every rank) prepared as `kind` for this rank."""
     torch.manual_seed(0)
-    model = TinyGPT(CONFIG)
+    model = TinyGPT(config)
     if kind == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
     if kind == "fsdp2":

@@ -1,8 +1,9 @@
-"""Command line of rtp_compile: `rtp-compile demo` trains the demo, `rtp-compile inspect` shows
-what the compiler makes of a model (plan, per-op report, one rank's generated code),
-`rtp-compile plan` predicts per-rank memory of models far larger than this machine (built on
-the meta device), `rtp-compile bench` measures step time, memory and traffic next to DDP, FSDP2
-and DTensor tensor parallel (`--memory`: memory by category next to the cost model)."""
+"""Command line of rtp_compile: `rtp-compile demo` trains TinyGPT on Shakespeare next to DDP,
+`rtp-compile inspect` shows what the compiler makes of a model (plan, per-op report, one rank's
+generated code), `rtp-compile plan` predicts per-rank memory of models far larger than this
+machine (built on the meta device), `rtp-compile bench` measures step time, memory and traffic
+next to DDP, FSDP2 and DTensor tensor parallel (`--memory`: memory by category next to the cost
+model)."""
 from __future__ import annotations
 
 import argparse
@@ -38,10 +39,22 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = commands.add_parser(
-        "demo", help="train TinyGPT with RTP next to DDP on local CPU ranks and compare")
+        "demo", help="train TinyGPT on Shakespeare with RTP next to DDP on local CPU ranks, "
+                     "compare, and sample text from it")
     demo.add_argument("--world-size", type=_positive_int, default=2, help="ranks (default 2)")
-    demo.add_argument("--steps", type=_positive_int, default=60, help="AdamW steps (default 60)")
+    demo.add_argument("--steps", type=_positive_int, default=400,
+                      help="AdamW steps (default 400, about a minute on 2 CPU cores)")
     demo.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
+    demo.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                      help="the model's dtype (default float32; float64 shows RTP and DDP agree "
+                           "to rounding over the whole run)")
+    demo.add_argument("--checkpoint-dir", metavar="DIR",
+                      help="save the RTP program and the DDP replica there (DCP checkpoints) "
+                           "every --checkpoint-every steps")
+    demo.add_argument("--checkpoint-every", type=_positive_int, default=100,
+                      help="steps between checkpoints (default 100)")
+    demo.add_argument("--resume", action="store_true",
+                      help="continue from the checkpoint in --checkpoint-dir up to --steps")
     demo.set_defaults(run=_run_demo)
 
     inspect = commands.add_parser(
@@ -95,7 +108,13 @@ def _run_demo(args: argparse.Namespace) -> None:
     """`demo`: run the RTP-vs-DDP training demo."""
     from rtp_compile.demo import run_demo  # lazy: `inspect` needs no training code
 
-    run_demo(world_size=args.world_size, steps=args.steps, seed=args.seed)
+    import torch
+
+    if args.resume and not args.checkpoint_dir:
+        raise UsageError("--resume needs --checkpoint-dir, the directory to resume from")
+    run_demo(world_size=args.world_size, steps=args.steps, seed=args.seed,
+             dtype=getattr(torch, args.dtype), checkpoint_dir=args.checkpoint_dir,
+             checkpoint_every=args.checkpoint_every, resume=args.resume)
 
 
 def _run_inspect(args: argparse.Namespace) -> None:

@@ -27,6 +27,7 @@ from rtp_compile.runtime.events import forward_shard
 from rtp_compile.runtime.graph_ops import add_into
 from rtp_compile.runtime.fused import LINEAR, FusedBlockRuntime, head_groups, sub_roles
 from rtp_compile.runtime import ring
+from rtp_compile.runtime.replicas import ReplicaGradReduction
 from rtp_compile.runtime.ring import BufferBroadcast, JobCheck
 from rtp_compile.runtime.transaction import GradTransaction
 from rtp_compile.runtime.units import GatheredOpRuntime, RotatedOpRuntime, SmallParamsGather
@@ -47,7 +48,9 @@ def _install(root: nn.Module, target: str, value: torch.Tensor) -> None:
 
 
 def job_of(gm: nn.Module) -> JobCheck:
-    """The world size, rank and group name an emitted module was built for."""
+    """The job an emitted module was built for: world size, rank and group name of its ring;
+    `replica`, `replicas` and `replica_group_name` of its data-parallel replicas (a 2-D mesh;
+    0, 1 and None without)."""
     job = getattr(gm, "rtp_job", None)
     if not isinstance(job, JobCheck):
         raise ValueError("rtp_compile: this module was not emitted by RTPProgram.module(rank)")
@@ -60,13 +63,17 @@ class RankEmitter:
     def __init__(self, ctx: Context, program_gm: fx.GraphModule, rank: int, group_name: str,
                  device=None, broadcast_buffers=True,
                  shards: dict[str, torch.Tensor] | None = None,
-                 attrs: dict[str, torch.Tensor] | None = None):
+                 attrs: dict[str, torch.Tensor] | None = None,
+                 replica: int = 0, replicas: int = 1, replica_group_name: str | None = None):
         """`shards`: this rank's parameter shards, ready (default: cut from the model's
         parameters); `attrs`: values for buffers / constants of the program (default: copies of
-        its own)."""
+        its own). `replica` of `replicas` in group `replica_group_name`: where the rank's ring
+        sits among data-parallel replicas of it (a 2-D mesh's first dim)."""
         self.ctx, self.src, self.plan = ctx, program_gm, ctx.plan
         self.shards, self.attrs = shards or {}, attrs or {}
         self.rank, self.n, self.group_name = rank, ctx.world_size, group_name
+        self.replica, self.replicas = replica, replicas
+        self.replica_group_name = replica_group_name
         self.device, self.broadcast_buffers = device, broadcast_buffers
         self.units = {u.name: u for u in self.plan.units}
         self.saved: dict[str, dict[int, list[fx.Node]]] = {}  # fused unit -> shard -> heads
@@ -115,20 +122,33 @@ class RankEmitter:
         # a forward that raises leaves no hop in flight (also when it raised between the two)
         gm.register_forward_hook(_finish_leftover_hops, always_call=True)
         # a backward that raises leaves every shard's .grad as it was (runtime.transaction)
-        gm.rtp_grads = GradTransaction()
+        gm.rtp_grads = GradTransaction(self._replica_reduction(gm))
         gm.register_forward_pre_hook(_enter_grad_transaction)
         return gm
 
+    def _replica_reduction(self, gm: fx.GraphModule) -> ReplicaGradReduction | None:
+        """The all-reduce of the shards' gradients over the data-parallel replicas (mean over
+        them too for "mean"), None with one replica."""
+        if self.replicas == 1:
+            return None
+        read = [p for name, p in gm.named_parameters()
+                if p.requires_grad and self.plan.strategy(name) != "unused"]
+        scale = 1.0 / self.replicas if self.ctx.options.grad_reduction == "mean" else 1.0
+        return ReplicaGradReduction(read, self.replica_group_name, scale)
+
     def _emit_job_start(self) -> None:
         """Check the job, then (like DDP) take the first rank's buffers."""
-        self.root["rtp_job"] = JobCheck(self.n, self.rank, self.group_name)
+        self.root["rtp_job"] = JobCheck(self.n, self.rank, self.group_name, self.replica,
+                                        self.replicas, self.replica_group_name)
         self.graph.call_module("rtp_job")
         buffers = [name for name, _ in self.src.named_buffers()]
-        if self.broadcast_buffers and buffers and self.n > 1:
+        if self.broadcast_buffers and buffers and self.n * self.replicas > 1:
             reads = [self.graph.get_attr(name) for name in buffers]
             for read in reads:
                 self._own_attr(read)
-            self.root["rtp_buffers"] = BufferBroadcast(self.group_name)
+            groups = (self.group_name,) if self.replica_group_name is None else \
+                (self.group_name, self.replica_group_name)
+            self.root["rtp_buffers"] = BufferBroadcast(groups)
             self.graph.call_module("rtp_buffers", tuple(reads))
 
     def _own_attr(self, node: fx.Node) -> None:

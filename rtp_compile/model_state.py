@@ -101,3 +101,53 @@ def open_model_checkpoint(checkpoint, model: nn.Module, what: str) -> Checkpoint
         return DictSource(to_native(model, tensors, what), source.description)
     finally:
         source.close()
+
+
+def state_dict_sources(model: nn.Module) -> dict[str, str | None]:
+    """Every key of `model.state_dict()`, in its order, with the native key whose tensor it
+    passes on unchanged (its own name, or another where a hook renames it), or None where the
+    model's state-dict hooks compute it (a packed `wqkv` saved as `wq`/`wk`/`wv`): found by
+    running `state_dict(keep_vars=True)` on a skeleton and following each tensor's identity."""
+    keys = native_state_keys(model)
+    if not has_state_dict_hooks(model):
+        return {k: k for k in keys}
+    skeleton = _skeleton(model)
+    native = {}
+    for key in keys:
+        native.setdefault(id(_slot_of(skeleton, key)), key)
+    return {k: native.get(id(v)) for k, v in skeleton.state_dict(keep_vars=True).items()}
+
+
+def hooked_native_keys(model: nn.Module) -> list[str]:
+    """The native keys held by modules with state-dict hooks, or by their descendants: what a
+    hook that computes keys may read."""
+    roots = [name for name, m in model.named_modules()
+             if any(getattr(m, table, None) for table in _HOOK_TABLES)]
+    return [k for k in native_state_keys(model)
+            if any(not root or k.startswith(root + ".") for root in roots)]
+
+
+def computed_state(model: nn.Module, native: Mapping[str, torch.Tensor],
+                   what: str) -> dict[str, torch.Tensor]:
+    """The keys of `model.state_dict()` its hooks compute (`state_dict_sources` None), from the
+    full tensors of `native` (at least `hooked_native_keys`); the other tensors stay meta."""
+    skeleton = _skeleton(model)
+    for key, tensor in native.items():
+        module_name, _, leaf = key.rpartition(".")
+        module = skeleton.get_submodule(module_name)
+        table = module._parameters if leaf in module._parameters else module._buffers
+        table[leaf] = tensor
+    wanted = [k for k, source in state_dict_sources(model).items() if source is None]
+    state = skeleton.state_dict()
+    out = {k: state[k] for k in wanted}
+    stray = [k for k, v in out.items() if v.is_meta]
+    if stray:
+        raise RuntimeError(f"rtp_compile: {what}: the model's state-dict hooks compute "
+                           f"{', '.join(stray)} from tensors outside the module that has the hook")
+    return out
+
+
+def _slot_of(module: nn.Module, key: str) -> torch.Tensor:
+    module_name, _, leaf = key.rpartition(".")
+    owner = module.get_submodule(module_name)
+    return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]

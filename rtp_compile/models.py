@@ -79,3 +79,26 @@ class TinyGPT(nn.Module):
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@torch.no_grad()
+def generate(model: TinyGPT, prompt: torch.Tensor, n_new: int, *, temperature: float = 0.8,
+             seed: int = 0) -> torch.Tensor:
+    """Continue the token ids `prompt` [T] by `n_new` tokens sampled from `model` (an unsharded
+    TinyGPT), reading at most its last `block_size` tokens; `temperature` 0 is greedy. Sampled
+    with a generator seeded by `seed`: the same model, prompt and seed give the same text.
+    Returns prompt and continuation, [T + n_new]."""
+    gen = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    ids = prompt.clone()
+    for _ in range(n_new):
+        logits = model(ids[-model.cfg.block_size:].unsqueeze(0))[0, -1]
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=gen)
+        else:
+            nxt = logits.argmax().unsqueeze(0)
+        ids = torch.cat([ids, nxt])
+    model.train(was_training)
+    return ids

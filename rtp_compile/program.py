@@ -1,6 +1,9 @@
 """RTPProgram: the plan, the rank-generic program, and what each rank needs from them."""
 from __future__ import annotations
 
+import weakref
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -17,6 +20,20 @@ from rtp_compile.passes.plan import Plan
 from rtp_compile.passes.retarget_meta import retarget_meta
 from rtp_compile.rank_tensors import rank_tensors
 from rtp_compile.runtime.ring import resolve_group
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+_programs: "weakref.WeakKeyDictionary[nn.Module, RTPProgram]" = weakref.WeakKeyDictionary()
+
+
+def program_of(gm: nn.Module) -> "RTPProgram":
+    """The program that emitted rank module `gm` (`RTPProgram.module`)."""
+    try:
+        return _programs[gm]
+    except (KeyError, TypeError):
+        raise ValueError(f"rtp_compile: expected a rank module made by prog.module(rank), got a "
+                         f"{type(gm).__name__}") from None
 
 
 class RTPProgram:
@@ -56,18 +73,36 @@ class RTPProgram:
         """What each pass changed (`passes.pipeline.PassRecord`); `debug=True` keeps code diffs."""
         return self.ctx.pass_log
 
+    def alias_of(self, key: str) -> str | None:
+        """The parameter (as the plan and rank modules name it) that native state key `key`
+        names, under any of its tied names; None for a buffer."""
+        if not hasattr(self, "_aliases"):
+            self._aliases = {a: n for n, lay in self.plan.params.items()
+                             for a in lay.aliases or (n,)}
+        return self._aliases.get(key)
+
     @property
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
 
-    def module(self, rank: int, group: dist.ProcessGroup | None = None, device=None,
-               broadcast_buffers: bool = True, *, seed: int = 0,
-               checkpoint=None) -> fx.GraphModule:
-        """The GraphModule of `rank` (rank within `group`, default the whole job).
+    def module(self, rank: int | None = None, group: dist.ProcessGroup | None = None,
+               device=None, broadcast_buffers: bool = True, *, mesh: DeviceMesh | None = None,
+               seed: int = 0, checkpoint=None) -> fx.GraphModule:
+        """The GraphModule of `rank` (rank within `group`, default the whole job), or of this
+        process's place in `mesh`.
 
         Its parameters are this rank's shards only, under the model's parameter names. Buffers
         are whole on every rank; as with DDP's default, each forward first takes the group's
         first rank's buffers (`broadcast_buffers=False`: each rank keeps its own).
+
+        `mesh`: a `DeviceMesh` instead of `rank` and `group`, FSDP2's HSDP convention. Its last
+        dim (size `world_size`) is the ring: the rank is this process's place in it. A 2-D
+        mesh's first dim holds data-parallel replicas, each with its own batches: after each
+        backward they all-reduce the shards' gradients, overlapped with backward, so every rank
+        holds DDP's gradient over all ranks of the mesh (mean by default, `grad_reduction`);
+        a backward that fails leaves `.grad` as it was (`runtime.replicas`). Buffers come from
+        the mesh's first rank. `codegen.job_of(gm)` tells the module's `replica` of `replicas`:
+        replicas hold the same shards, so one of them (`replica == 0`) is enough to save them.
 
         `device`: where the shards and buffers live (default: where the model's are). For a model
         built on the meta device, `device=...` materialises only this rank's shards there: each
@@ -79,16 +114,40 @@ class RTPProgram:
         `.safetensors` file or a directory of them, or a mapping), only this rank's part of each,
         one parameter at a time; every key and shape is checked first.
         """
+        replicas = {}
+        if mesh is not None:
+            if rank is not None or group is not None:
+                raise ValueError("rtp_compile: pass either mesh=... or rank (and group), not both: "
+                                 "with a mesh the rank is this process's place in its last dim")
+            rank, group, replicas = self._place_in(mesh)
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"rtp_compile: rank must be an int in [0, {self.world_size}), "
                              f"got {rank!r}")
         group_name = "" if group is None or group == dist.group.WORLD else group.group_name
         tensors = rank_tensors(self.ctx, self.graph_module, rank, device, seed, checkpoint)
         gm = RankEmitter(self.ctx, self.graph_module, rank, group_name, device, broadcast_buffers,
-                         shards=tensors.shards, attrs=tensors.attrs).emit()
+                         shards=tensors.shards, attrs=tensors.attrs, **replicas).emit()
         if tensors.device is not None:  # a meta model's graph, now on a real device
             retarget_meta(gm, tensors.device)
+        _programs[gm] = self
         return gm
+
+    def _place_in(self, mesh: DeviceMesh):
+        """(rank, ring group, replicas) of this process in a 1-D or 2-D mesh whose last dim is
+        the ring; `replicas`: RankEmitter's replica arguments (none for a 1-D mesh)."""
+        if mesh.ndim not in (1, 2):
+            raise ValueError(f"rtp_compile: a mesh of 1 or 2 dims (replicas, ring) is supported, "
+                             f"got {mesh.ndim} dims {tuple(mesh.mesh.shape)}; flatten the leading "
+                             "dims into one")
+        if mesh.size(-1) != self.world_size:
+            raise ValueError(f"rtp_compile: the mesh's last dim has {mesh.size(-1)} ranks but the "
+                             f"program was compiled for world_size={self.world_size}: the last dim "
+                             "is the ring; transform with its size")
+        rank, group = mesh.get_local_rank(mesh.ndim - 1), mesh.get_group(mesh.ndim - 1)
+        if mesh.ndim == 1:
+            return rank, group, {}
+        return rank, group, {"replica": mesh.get_local_rank(0), "replicas": mesh.size(0),
+                             "replica_group_name": mesh.get_group(0).group_name}
 
     def report(self) -> str:
         """Every weight-bearing op: rotated (rule, mode, dims) or gathered (why), bytes per rank."""
@@ -160,17 +219,25 @@ class RTPProgram:
     def full_state_dict(self, gm: nn.Module) -> dict[str, torch.Tensor]:
         """Collective: the model's state_dict (its keys, through its own state-dict hooks; full
         shapes, padding removed)."""
-        group = job_of(gm).group_name
-        shards = {name: gm.get_parameter(name).detach() for name in self.plan.params}
         full = {}
         for name, layout in self.plan.params.items():
-            gathered = self._all_gather(shards[name], group)
-            tensor = layout.unshard(gathered)
+            tensor = self.full_tensor(gm, name)
             for alias in layout.aliases:
                 full[alias] = tensor
         for name in self.ctx.buffer_names:
-            full[name] = gm.get_buffer(name).detach().clone()
+            full[name] = self.full_tensor(gm, name)
         return to_model_state_dict(self.ctx.model, full, "full_state_dict")
+
+    def full_tensor(self, gm: nn.Module, key: str) -> torch.Tensor:
+        """Collective for a parameter: the full tensor of native key `key` (a parameter under
+        any of its names, all ranks' shards gathered, padding removed; or a buffer, this rank's
+        copy)."""
+        name = self.alias_of(key)
+        if name is None:
+            return gm.get_buffer(key).detach().clone()
+        layout = self.plan.params[name]
+        return layout.unshard(self._all_gather(gm.get_parameter(name).detach(),
+                                               job_of(gm).group_name))
 
     def _all_gather(self, shard: torch.Tensor, group_name: str) -> list[torch.Tensor]:
         if self.world_size == 1:

@@ -60,11 +60,12 @@ def gathered_grads(prog, gm, group=None) -> dict[str, torch.Tensor]:
     return out
 
 
-def train_next_to_ddp(prog, gm, model, batches, seed: int, call, output) -> dict:
+def train_next_to_ddp(prog, gm, model, batches, seed: int, call, output, ring=None) -> dict:
     """Train the rank module and a DDP replica of `model` side by side on `batches` with AdamW;
     max relative errors of the first output (vs the unsharded model), the first gradients and
-    the parameters after every step (vs DDP). `call(module, batch)` runs a module on a batch,
-    `output(result)` picks the tensor the loss is taken on."""
+    the parameters after every step (vs DDP over the whole job). `call(module, batch)` runs a
+    module on a batch, `output(result)` picks the tensor the loss is taken on; `ring`: the
+    rank module's process group (default: the whole job)."""
     for pname, layout in prog.plan.params.items():  # no parameter is a full replica
         assert tuple(gm.get_parameter(pname).shape) == layout.shard_shape, pname
     reference = copy.deepcopy(model)
@@ -84,7 +85,7 @@ def train_next_to_ddp(prog, gm, model, batches, seed: int, call, output) -> dict
         losses[-1].backward()
         loss_of(output(call(ddp, inputs)), seed + step).backward()
         if step == 0:
-            errors["grad"] = grad_errors(gathered_grads(prog, gm), {
+            errors["grad"] = grad_errors(gathered_grads(prog, gm, ring), {
                 n: ddp.module.get_parameter(n).grad for n in prog.plan.params})
         opt.step()
         ddp_opt.step()
@@ -404,12 +405,19 @@ def travelled_program_parity(rank: int, world_size: int, prog, model, name: str,
             "same_model": prog.ctx.model is model}
 
 
-def buffers_like_ddp(rank: int, world_size: int, seed: int, broadcast: bool) -> dict:
+def buffers_like_ddp(rank: int, world_size: int, seed: int, broadcast: bool,
+                     mesh_shape=None) -> dict:
     """BatchNorm running statistics after two training steps, against DDP with the same
-    broadcast_buffers setting (and the output of an eval-mode forward)."""
+    broadcast_buffers setting (and the output of an eval-mode forward). `mesh_shape`: the rank
+    module is `prog.module(mesh=...)` of a (replicas, ring) mesh of that shape."""
+    from torch.distributed.device_mesh import init_device_mesh
     model = build("conv", seed)
-    prog = rtp_compile.transform(model, world_size)
-    gm = prog.module(rank, broadcast_buffers=broadcast)
+    if mesh_shape is None:
+        prog = rtp_compile.transform(model, world_size)
+        gm = prog.module(rank, broadcast_buffers=broadcast)
+    else:
+        prog = rtp_compile.transform(model, mesh_shape[-1])
+        gm = prog.module(mesh=init_device_mesh("cpu", mesh_shape), broadcast_buffers=broadcast)
     ddp = DDP(copy.deepcopy(model), broadcast_buffers=broadcast)
     for step in range(2):
         x = batch("conv", seed, rank, step)
@@ -658,19 +666,28 @@ def failed_forward_leaves_state(rank: int, world_size: int, seed: int) -> dict:
                                   [n for n, _ in model.named_parameters()])}
 
 
-def failed_backward_leaves_state(rank: int, world_size: int, seed: int, where: str) -> dict:
+def failed_backward_leaves_state(rank: int, world_size: int, seed: int, where: str,
+                                 mesh_shape=None) -> dict:
     """A backward that raises half-way on every rank, after one accumulated backward (so the
     shards' .grad hold values to keep), next to DDP: `where` = "user" (the model's own op raises
     after the units behind it finished; rolled back by the next forward) or "unit" (a unit's
     backward raises, as a failed hop does; rolled back at once). The state right after the
     failure ("unit") or after the next forward ("user"), hops left in flight, and the errors of
-    the steps after it against DDP (which never saw the failed backward)."""
+    the steps after it against DDP (which never saw the failed backward). `mesh_shape`: the rank
+    module is `prog.module(mesh=...)` of a (replicas, ring) mesh of that shape."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from rtp_compile.runtime import ring
     from rtp_compile.runtime.units import RotatedOpRuntime
     from zoo import FailingBackward
     model = build("midfail", seed)
-    prog = rtp_compile.transform(model, world_size)
-    gm, ddp = prog.module(rank), DDP(copy.deepcopy(model))
+    if mesh_shape is None:
+        prog = rtp_compile.transform(model, world_size)
+        gm = prog.module(rank)
+    else:
+        prog = rtp_compile.transform(model, mesh_shape[-1])
+        gm = prog.module(mesh=init_device_mesh("cpu", mesh_shape))
+    ddp = DDP(copy.deepcopy(model))
     opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1)
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1)
 

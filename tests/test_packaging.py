@@ -1,4 +1,5 @@
-"""A normal (non-editable) install ships every module of the package and the console script."""
+"""A normal (non-editable) install ships every module of the package, its data (the demo's text)
+and the console script."""
 import pathlib
 import subprocess
 import sys
@@ -21,3 +22,5 @@ def test_wheel_ships_every_module_of_the_package(tmp_path):
     assert modules and set(modules) <= names
     assert {"rtp_compile/passes/plan.py", "rtp_compile/runtime/ring.py"} <= names
     assert any(n.endswith("entry_points.txt") for n in names)
+    # the demo's text and its source note (package data, read with importlib.resources)
+    assert {"rtp_compile/data/tinyshakespeare.txt", "rtp_compile/data/README.md"} <= names

@@ -32,6 +32,7 @@ _POLL_S = 0.1  # how long the parent waits for a report before checking for dead
 _DEADLINE_SLACK_S = 60.0  # the whole launch may run this much longer than the group timeout
 _EXIT_GRACE_S = 10.0  # ranks that reported get this long to exit on their own
 _KILL_GRACE_S = 5.0  # a rank sent SIGTERM gets this long before SIGKILL
+_CRASH_GRACE_S = 1.0  # how long a reported failure waits for a crashed peer to show as the cause
 
 
 class RankError(RuntimeError):
@@ -233,6 +234,10 @@ def _gather(reports: Any, procs: list, limit_s: float) -> dict[int, bytes]:
         except queue.Empty:
             pass
         # A report is in the pipe before its rank exits: exited before an empty read means silent.
+        if not all(ok for ok, _ in received.values()) and not exited - received.keys():
+            # a failure report is often a peer's echo of a crash not yet seen: give it a moment
+            _join_all([p for r, p in enumerate(procs) if r not in received], _CRASH_GRACE_S)
+            exited = {r for r, process in enumerate(procs) if process.exitcode is not None}
         _raise_for_failure(procs, exited - received.keys(), received)
         if len(received) == len(procs):
             return {rank: body for rank, (_, body) in received.items()}

@@ -281,18 +281,30 @@ def _():
 
 class JobCheck(torch.nn.Module):
     """First op of every rank's module: the job must match the program before any
-    communication. Also where the module's world size, rank and group name are kept."""
+    communication. Also where the module's job is kept (`codegen.job_of`): its ring (world
+    size, rank, group name) and, on a 2-D mesh, its place among the data-parallel replicas
+    (`replica` of `replicas`, their group `replica_group_name`; 0 of 1 and None without).
+    Ranks with the same `rank` hold the same shards; one replica, e.g. `replica == 0`, is
+    enough to save them."""
 
-    def __init__(self, world_size: int, rank: int, group_name: str):
+    def __init__(self, world_size: int, rank: int, group_name: str, replica: int = 0,
+                 replicas: int = 1, replica_group_name: str | None = None):
         super().__init__()
         self.world_size, self.rank, self.group_name = world_size, rank, group_name
+        self.replica, self.replicas = replica, replicas
+        self.replica_group_name = replica_group_name
 
     def extra_repr(self) -> str:
-        return f"rank {self.rank} of {self.world_size}, group {self.group_name or 'WORLD'!r}"
+        ring = f"rank {self.rank} of {self.world_size}, group {self.group_name or 'WORLD'!r}"
+        if self.replica_group_name is None:
+            return ring
+        return f"{ring}; replica {self.replica} of {self.replicas}, group " \
+               f"{self.replica_group_name!r}"
 
     def forward(self) -> None:
         finish_leftover_hops()  # of a step before that raised after starting a hop
-        if self.world_size == 1 and not (dist.is_available() and dist.is_initialized()):
+        if self.world_size == 1 and self.replica_group_name is None and \
+                not (dist.is_available() and dist.is_initialized()):
             return  # a one-rank program needs no process group
         group = resolve_group(self.group_name)
         size, actual = dist.get_world_size(group), dist.get_rank(group)
@@ -306,29 +318,40 @@ class JobCheck(torch.nn.Module):
                 f"rtp_compile: this is the module of rank {self.rank}, but it runs on rank "
                 f"{actual} of the process group. Use prog.module(torch.distributed.get_rank()) "
                 "on every rank.")
+        if self.replica_group_name is not None:
+            replicas = resolve_group(self.replica_group_name)
+            if (dist.get_world_size(replicas), dist.get_rank(replicas)) != \
+                    (self.replicas, self.replica):
+                raise RuntimeError(
+                    f"rtp_compile: this is the module of replica {self.replica} of "
+                    f"{self.replicas}, but it runs as replica {dist.get_rank(replicas)} of "
+                    f"{dist.get_world_size(replicas)}. Use prog.module(mesh=mesh) on every rank.")
 
 
 class BufferBroadcast(torch.nn.Module):
     """DDP's `broadcast_buffers`: before each forward every rank takes the buffers (BatchNorm
-    statistics, rotary caches, position ids) of the group's first rank, one broadcast per dtype."""
+    statistics, rotary caches, position ids) of the first rank, one broadcast per dtype and
+    group. `group_names`: the ring's group, then on a 2-D mesh the replicas': every ring takes
+    its first rank's buffers, then every replica the first replica's, so all end with the
+    mesh's first rank's."""
 
-    def __init__(self, group_name: str):
+    def __init__(self, group_names: tuple[str, ...]):
         super().__init__()
-        self.group_name = group_name
+        self.group_names = group_names
 
     def forward(self, *buffers: torch.Tensor) -> None:
         if not buffers or not (dist.is_available() and dist.is_initialized()):
             return
-        group = resolve_group(self.group_name)
-        if dist.get_world_size(group) == 1:
-            return
-        source = dist.get_global_rank(group, 0)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for b in buffers:
             by_dtype.setdefault(b.dtype, []).append(b)
-        with torch.no_grad():
-            for same in by_dtype.values():
-                flat = torch._utils._flatten_dense_tensors(same)
-                dist.broadcast(flat, source, group=group)
-                for b, value in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
-                    b.copy_(value)
+        for group in map(resolve_group, self.group_names):
+            if dist.get_world_size(group) == 1:
+                continue
+            source = dist.get_global_rank(group, 0)
+            with torch.no_grad():
+                for same in by_dtype.values():
+                    flat = torch._utils._flatten_dense_tensors(same)
+                    dist.broadcast(flat, source, group=group)
+                    for b, value in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
+                        b.copy_(value)

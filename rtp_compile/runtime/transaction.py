@@ -11,6 +11,10 @@ A unit backward that raises (a failed hop, a failed step) rolls back at once (ev
 it was, no hop in flight); a backward that raised in the model's own code, where no unit runs,
 is rolled back by the module's next forward, which also waits out the hops it left.
 
+A module with data-parallel replicas (`runtime.replicas`) reduces this backward's gradients
+over them inside the transaction: the reduction begins when it opens, finishes before the commit
+adds the set-aside gradients, and a failed reduction rolls back like a failed unit backward.
+
 A `register_post_accumulate_grad_hook` on a shard sees only this backward's gradient where
 `.grad` held one before it (gradient accumulation); `torch.autograd.grad` is unaffected.
 """
@@ -22,17 +26,20 @@ import functools
 import torch
 
 from rtp_compile.runtime import ring
+from rtp_compile.runtime.replicas import ReplicaGradReduction
 
 _current: GradTransaction | None = None  # the transaction of the rank module running forward
 
 
 class GradTransaction:
     """The gradient transaction of one rank module's shards (kept on the module as `rtp_grads`;
-    `enter_forward` is its forward pre-hook's work)."""
+    `enter_forward` is its forward pre-hook's work). `replicas`: the all-reduce of the shards'
+    gradients over the module's data-parallel replicas, None without any."""
 
-    def __init__(self):
+    def __init__(self, replicas: ReplicaGradReduction | None = None):
         self.params: list[torch.Tensor] = []
         self.set_aside: list[torch.Tensor | None] | None = None  # open while not None
+        self.replicas = replicas
 
     def enter_forward(self, params: list[torch.Tensor]) -> None:
         """Called before every forward of the module: roll back a backward that raised without
@@ -50,15 +57,25 @@ class GradTransaction:
         self.set_aside = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
+        if self.replicas is not None:
+            self.replicas.begin()
         torch.autograd.Variable._execution_engine.queue_callback(self.commit)
 
     def commit(self) -> None:
+        if self.replicas is not None:
+            try:
+                self.replicas.finish()
+            except BaseException:
+                self.roll_back()
+                raise
         for p, old in zip(self.params, self.set_aside or ()):
             if old is not None:
                 p.grad = old if p.grad is None else old.add_(p.grad)
         self.set_aside = None
 
     def roll_back(self) -> None:
+        if self.replicas is not None:
+            self.replicas.abandon()
         for p, old in zip(self.params, self.set_aside or ()):
             p.grad = old
         self.set_aside = None
