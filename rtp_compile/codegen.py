@@ -266,7 +266,7 @@ class RankEmitter:
         unit = self.units[name]
         roles, layouts, _ = self._layouts(unit)
         common = (self.rank, self.n, self.group_name, self.ctx.schedules[name],
-                  self.ctx.grad_scale)
+                  self.ctx.grad_scale, self.ctx.precision)
         if unit.kind == "fused":
             self.root[f"rtp_units.{name}"] = FusedBlockRuntime(name, unit.fusion, roles, layouts,
                                                        self.ctx.bodies[name], *common)
@@ -297,7 +297,7 @@ class RankEmitter:
                  for p in unit.params.values()]
         self.root[f"rtp_units.{name}"] = GatheredOpRuntime(
             name, body, names, layouts, self.rank, self.n, self.group_name,
-            self.ctx.schedules[name], self.ctx.grad_scale, unit.reason)
+            self.ctx.schedules[name], self.ctx.grad_scale, unit.reason, self.ctx.precision)
         out = self.graph.call_module(f"rtp_units.{name}", (*inputs, *params))
         out.meta.update(node.meta)
         return out
@@ -308,7 +308,7 @@ class RankEmitter:
         first = next(u for u in self.plan.units if u.kind == "small")
         self.root["rtp_units.small_params"] = SmallParamsGather(
             names, [self.plan.params[p] for p in names], self.rank, self.n, self.group_name,
-            self.ctx.schedules[first.name], self.ctx.grad_scale)
+            self.ctx.schedules[first.name], self.ctx.grad_scale, self.ctx.precision)
         out = self.graph.call_module("rtp_units.small_params", tuple(env[a] for a in node.args))
         out.meta.update(node.meta)
         return out
@@ -320,7 +320,8 @@ class RankEmitter:
         layouts = [self.plan.params[p] for u in members for p in u.params.values()]
         runtime = self.buckets[name] = BucketRuntime(
             name, [(u.name, len(u.params)) for u in members], layouts, self.rank, self.n,
-            self.group_name, self.ctx.schedules[members[0].name], self.ctx.grad_scale)
+            self.group_name, self.ctx.schedules[members[0].name], self.ctx.grad_scale,
+            self.ctx.precision)
         self.root[f"rtp_buckets.{name}"] = runtime
         out = self.graph.call_module(f"rtp_buckets.{name}", tuple(env[a] for a in params))
         out.meta.update(node.meta)

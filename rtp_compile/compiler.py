@@ -11,7 +11,8 @@ from rtp_compile.program import RTPProgram
 def transform(model: nn.Module, world_size: int, example_inputs=None, *, example_kwargs=None,
               grad_reduction: str = "mean", fuse: bool = True, fuse_padding: float = 0.02,
               small_param_bytes: int = 65536, max_bytes_in_flight: int | None = None,
-              bucket_bytes: int | None = None, disable=(), debug: bool = False) -> RTPProgram:
+              bucket_bytes: int | None = None, mp_policy=None, disable=(),
+              debug: bool = False) -> RTPProgram:
     """Compile `model` for `world_size` ranks; needs no process group.
 
     Without example inputs the model is traced with torch.fx (or exported with the
@@ -31,12 +32,17 @@ def transform(model: nn.Module, world_size: int, example_inputs=None, *, example
     bucket, the `bucket_units` pass) while their weights' full bytes fit in it; a bucket's
     later units keep what passes until they compute, as FSDP2 holds a block (default None:
     what the bucket's largest unit would hold gathered; 0: no buckets).
+    `mp_policy`: `torch.distributed.fsdp.MixedPrecisionPolicy`, as FSDP2 takes it: the shards
+    (what `gm.parameters()` gives the optimizer) stay in the model's dtype; forward and backward
+    compute, and the weights rotate, in `param_dtype`; gradients are summed over the ranks in
+    `reduce_dtype` and land in `.grad` in the shards' dtype; floating inputs are cast to
+    `param_dtype` (`cast_forward_inputs`), floating outputs to `output_dtype` if set.
     `disable`: names of optional passes to skip
     (`rtp_compile.passes.PIPELINE`). `debug`: log each pass's graph diff at INFO through
     `logging.getLogger("rtp_compile")` and keep its code before and after in `prog.pass_log`."""
     disable = tuple(disable) + (() if fuse else ("fuse_blocks",))
     options = Options(grad_reduction, fuse_padding, small_param_bytes, max_bytes_in_flight,
-                      bucket_bytes, disable, debug)
+                      bucket_bytes, disable, debug, mp_policy)
     return compile_program(model, world_size, example_inputs, example_kwargs, options)
 
 

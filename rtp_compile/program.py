@@ -152,6 +152,11 @@ class RTPProgram:
     def report(self) -> str:
         """Every weight-bearing op: rotated (rule, mode, dims) or gathered (why), bytes per rank."""
         lines = [f"rtp_compile program for {self.world_size} ranks"]
+        precision = self.ctx.precision
+        if precision.param_dtype or precision.reduce_dtype:
+            lines.append(f"  mixed precision: shards kept in their dtype; compute and rotation "
+                         f"in {precision.param_dtype or 'their dtype'}, gradients reduced in "
+                         f"{precision.reduce_dtype or precision.param_dtype}")
         for u in self.plan.units:
             layouts = [self.plan.params[p] for p in u.params.values()]
             held = sum(lay.shard_bytes for lay in layouts)
@@ -203,7 +208,7 @@ class RTPProgram:
         a `Cost` with param/grad/optimizer/transient/activation/peak/traffic bytes and their
         sympy expressions in N and A. `dtype`: the parameters' dtype if not theirs."""
         return rtp_cost(self.plan, self.profile(batch_size, seq_len, example_kwargs),
-                        optimizer, dtype, tuple(self.ctx.buckets.values()))
+                        optimizer, dtype, tuple(self.ctx.buckets.values()), self.ctx.precision)
 
     def profile(self, batch_size: int, seq_len: int | None = None,
                 example_kwargs: dict | None = None):

@@ -19,7 +19,8 @@ OPTIONAL = ["lower_modules", "fold_parameter_metadata", "split_norm_affine", "fu
 def test_pipeline_is_one_ordered_list_of_checked_passes():
     assert [p.__name__ for p in PIPELINE] == [
         "lower_modules", "fold_parameter_metadata", "split_norm_affine", "plan_sharding",
-        "fuse_blocks", "gather_small_params", "rotate", "bucket_units", "schedule"]
+        "fuse_blocks", "gather_small_params", "rotate", "bucket_units", "cast_precision",
+        "schedule"]
     assert [p.__name__ for p in PIPELINE if not p.required] == OPTIONAL
     assert all(callable(p.check) for p in PIPELINE)
 

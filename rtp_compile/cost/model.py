@@ -22,6 +22,7 @@ import sympy
 import torch
 
 from rtp_compile.cost.profile import Profile
+from rtp_compile.runtime.precision import Precision
 
 N, A = sympy.symbols("N A", positive=True, integer=True)
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1}
@@ -143,7 +144,7 @@ def _state(param_exprs: dict[str, sympy.Expr], n_params: int, optimizer: str):
 
 
 def rtp_cost(plan, profile: Profile, optimizer: str = "adamw", dtype=None,
-             buckets=()) -> Cost:
+             buckets=(), precision: Precision = Precision()) -> Cost:
     """RTP: every parameter, gradient and optimizer state is a 1/N shard. A rotated unit has
     its flat messages in flight (2 forward: held + incoming; 4 backward: weights and gradient
     accumulators, held + incoming); a gathered op its full tensors. Every unit sends
@@ -151,9 +152,14 @@ def rtp_cost(plan, profile: Profile, optimizer: str = "adamw", dtype=None,
     units together 2 (N - 1) (one all-gather, one reduce-scatter), held whole. A bucket
     (`buckets`: tuples of unit names) sends 3 (N - 1) messages of all its units' shards and
     holds, from its first unit's parameter read to its last, the messages that arrived
-    (max(2, N - 1) with the outgoing one) forward, those and its N gradient rows backward."""
+    (max(2, N - 1) with the outgoing one) forward, those and its N gradient rows backward.
+    Under mixed precision (`precision`) weights travel in the compute dtype, gradient
+    accumulators in the reduce dtype; the state stays in the parameters' dtype."""
     element = {n: (dtype or lay.dtype).itemsize for n, lay in plan.params.items()}
     shard = {n: _layout_expr(lay, element[n]) for n, lay in plan.params.items()}
+    master = {n: dtype or lay.dtype for n, lay in plan.params.items()}
+    rotating = {n: precision.compute(d) for n, d in master.items()}
+    reducing = {n: precision.reduce(d) for n, d in master.items()}
     params, grads, opt = _state(shard, len(plan.params), optimizer)
     ring = sympy.Min(N - 1, 1)  # one rank has no ring: nothing in flight
     forward_units, backward_units, traffic = [], [], sympy.Integer(0)
@@ -161,44 +167,48 @@ def rtp_cost(plan, profile: Profile, optimizer: str = "adamw", dtype=None,
     def read_at(names) -> set[int]:
         return {p for n in names for p in profile.uses.get(n, [])}
 
-    def message_of(names):
-        message = sympy.Add(*[shard[n] for n in names])
-        if len({dtype or plan.params[n].dtype for n in names}) > 1:  # aligned byte message
+    def message_of(names, dtypes=rotating):
+        """One flat message of the shards of `names` in `dtypes` (weights: as they rotate)."""
+        message = sympy.Add(*[_layout_expr(plan.params[n], dtypes[n].itemsize) for n in names])
+        if len({dtypes[n] for n in names}) > 1:  # aligned byte message
             message += 16 * len(names)
         return message
+
+    def full_of(names):
+        return sum(math.prod(plan.params[n].shape) * rotating[n].itemsize for n in names)
 
     small = list(dict.fromkeys(p for u in plan.units if u.kind == "small"
                                for p in u.params.values()))
     if small:  # one all-gather forward, one reduce-scatter backward, for all of them
-        message = message_of(small)
-        traffic += 2 * (N - 1) * message
-        full = sum(math.prod(plan.params[n].shape) * element[n] for n in small)
+        message, grad = message_of(small), message_of(small, reducing)
+        traffic += (N - 1) * (message + grad)
+        full = full_of(small)
         forward_units.append((read_at(small), full + 2 * ring * message))
-        backward_units.append((read_at(small), 2 * full + 2 * ring * message))
+        backward_units.append((read_at(small), 2 * full + 2 * ring * grad))
     units = {u.name: u for u in plan.units}
     bucketed = {m for members in buckets for m in members}
     for members in buckets:
         names = [p for m in members for p in units[m].params.values()]
-        message = message_of(names)
-        traffic += 3 * (N - 1) * message
+        message, grad = message_of(names), message_of(names, reducing)
+        traffic += (N - 1) * (2 * message + grad)
         uses = read_at(names)
         span = set(range(min(uses), max(uses) + 1)) if uses else set()
         arrived = ring * sympy.Max(2, N - 1) * message
         forward_units.append((span, arrived))
-        backward_units.append((span, arrived + ring * N * message))
+        backward_units.append((span, arrived + ring * N * grad))
     for unit in plan.units:
         if unit.kind == "small" or unit.name in bucketed:
             continue
         names = list(unit.params.values())
-        message = message_of(names)
-        traffic += 3 * (N - 1) * message
+        message, grad = message_of(names), message_of(names, reducing)
+        traffic += (N - 1) * (2 * message + grad)
         if unit.kind == "gather":
-            full = sum(math.prod(plan.params[n].shape) * element[n] for n in names)
+            full = full_of(names)
             forward_units.append((read_at(names), full + 2 * ring * message))
-            backward_units.append((read_at(names), 2 * full + 2 * ring * message))  # + grads
+            backward_units.append((read_at(names), 2 * full + 2 * ring * grad))  # + grads
         else:
             forward_units.append((read_at(names), 2 * ring * message))
-            backward_units.append((read_at(names), 4 * ring * message))
+            backward_units.append((read_at(names), 2 * ring * (message + grad)))
     transient = sympy.Max(*[b for _, b in backward_units]) if backward_units else sympy.Integer(0)
     largest_shard = sympy.Max(*shard.values()) if shard else sympy.Integer(0)
     exprs = {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": opt,

@@ -5,6 +5,7 @@ after it runs (`passes.pipeline`); `transform(..., disable=[names])` skips optio
 `transform(..., debug=True)` logs and keeps each one's graph diff (`prog.pass_log`).
 """
 from rtp_compile.passes.bucket import bucket_units
+from rtp_compile.passes.cast_precision import cast_precision
 from rtp_compile.passes.fold_parameter_metadata import fold_parameter_metadata
 from rtp_compile.passes.fuse import fuse_blocks
 from rtp_compile.passes.gather_small import gather_small_params
@@ -24,6 +25,7 @@ PIPELINE = [
     gather_small_params,      # ctx.plan: norm affines and other tiny units gathered per step
     rotate,                   # weight-bearing ops -> unit markers, bodies into ctx.bodies
     bucket_units,             # ctx.buckets: consecutive units sharing one message per step
+    cast_precision,           # mixed precision: inputs to param_dtype, outputs to output_dtype
     schedule,                 # markers -> steps and ring hops; backward events into ctx
 ]
 

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from rtp_compile.runtime.launch import check_world_size
+from rtp_compile.runtime.precision import Precision
 
 if TYPE_CHECKING:
     from rtp_compile.passes.pipeline import PassRecord
@@ -38,7 +40,9 @@ class Options:
     forward and its backward, like an FSDP2 block (0: none).
     `disable`: names of passes to skip (`rtp_compile.passes.PIPELINE`). `debug`: log every
     pass's graph diff at INFO through `logging.getLogger("rtp_compile")` and keep the code
-    before and after each pass in `prog.pass_log`."""
+    before and after each pass in `prog.pass_log`. `mp_policy`: FSDP2's
+    `MixedPrecisionPolicy` (compute and rotation in `param_dtype`, gradients reduced in
+    `reduce_dtype`, the shards themselves stay in the model's dtype; `runtime.precision`)."""
     grad_reduction: str = "mean"
     fuse_padding: float = 0.02
     small_param_bytes: int = 65536
@@ -46,6 +50,7 @@ class Options:
     bucket_bytes: int | None = None
     disable: tuple[str, ...] = ()
     debug: bool = False
+    mp_policy: MixedPrecisionPolicy | None = None
 
     def __post_init__(self):
         if self.grad_reduction not in ("mean", "sum"):
@@ -69,7 +74,21 @@ class Options:
                 not isinstance(self.max_bytes_in_flight, int) or self.max_bytes_in_flight < 0):
             raise ValueError(f"rtp_compile.transform: max_bytes_in_flight must be None or an int "
                              f">= 0, got {self.max_bytes_in_flight!r}")
+        if self.mp_policy is not None:
+            _check_policy(self.mp_policy)
         object.__setattr__(self, "disable", tuple(self.disable))
+
+
+def _check_policy(policy) -> None:
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(f"rtp_compile.transform: mp_policy must be a "
+                        f"torch.distributed.fsdp.MixedPrecisionPolicy, got {policy!r}")
+    for field_name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(policy, field_name)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and
+                                      dtype.is_floating_point):
+            raise ValueError(f"rtp_compile.transform: mp_policy.{field_name} must be None or "
+                             f"a floating-point torch.dtype, got {dtype!r}")
 
 
 @dataclass
@@ -129,6 +148,11 @@ class Context:
         """The persistent buffers by native name, in state_dict order."""
         aliases = self.canonical
         return [n for n in self.native_keys if n not in aliases]
+
+    @property
+    def precision(self) -> Precision:
+        """The dtypes the program computes, rotates and reduces in (`Options.mp_policy`)."""
+        return Precision.of(self.options.mp_policy)
 
     @property
     def grad_scale(self) -> float:

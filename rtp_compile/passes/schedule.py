@@ -32,6 +32,7 @@ from rtp_compile.passes.pipeline import InvariantError, graph_pass
 from rtp_compile.passes.rotate import fused_block, parameters_read_only_by_units, rotated_op
 from rtp_compile.runtime import ring  # also registers torch.ops.rtp.*
 from rtp_compile.runtime.events import Event, UnitSchedule
+from rtp_compile.runtime.graph_ops import expect_dtype
 
 
 def forward_schedule(world_size: int) -> list[Event]:
@@ -156,12 +157,15 @@ class _Member:
     marker: fx.Node
     unit: object
     params: list
-    specs: list
+    masters: list  # the shards' own dtypes
+    specs: list    # (shape, dtype) of the shards as they rotate: in their compute dtype
 
     @classmethod
-    def of(cls, marker, unit, plan):
-        specs = [(plan.params[p].shard_shape, plan.params[p].dtype) for p in unit.params.values()]
-        return cls(marker, unit, list(marker.args[2:2 + len(unit.params)]), specs)
+    def of(cls, marker, unit, plan, precision):
+        layouts = [plan.params[p] for p in unit.params.values()]
+        return cls(marker, unit, list(marker.args[2:2 + len(unit.params)]),
+                   [lay.dtype for lay in layouts],
+                   [(lay.shard_shape, precision.compute(lay.dtype)) for lay in layouts])
 
     @property
     def x(self) -> fx.Node:
@@ -198,6 +202,30 @@ def _step(tracer, member: _Member, k: int, x_in, held: list[fx.Node]) -> fx.Node
                               (name, k, x_in, *held, *member.externals), {}, name=f"{name}_y{k}")
 
 
+def _own_shard(create, param: fx.Node, master: torch.dtype, compute: torch.dtype,
+               name: str) -> list[fx.Node]:
+    """The rank's own shard as its unit's step 0 reads and its first hop sends it: detached,
+    and cast once to its compute dtype (mixed precision: the ring carries that dtype). The
+    nodes made, the shard last."""
+    if master == compute:
+        return [create("call_method", "detach", (param,), {}, name=name)]
+    shard = create("call_method", "detach", (param,), {}, name=f"{name}_master")
+    return [shard, create("call_method", "to", (shard, compute), {}, name=name)]
+
+
+def _unit_input(create, member: _Member) -> fx.Node:
+    """The unit's input, detached; under mixed precision, for an op that needs its input in
+    its weights' dtype (linear, conv, a fused block's linears), checked to be in it."""
+    unit, name = member.unit, f"{member.unit.name}_in"
+    op = "fused block" if unit.kind == "fused" else unit.call.rule.name
+    (_, compute), master = member.specs[0], member.masters[0]
+    if op not in ("fused block", "linear", "conv") or compute == master:
+        return create("call_method", "detach", (member.x,), {}, name=name)
+    x = create("call_method", "detach", (member.x,), {}, name=f"{name}_unchecked")
+    what = f"{op} of {', '.join(unit.params.values())}"
+    return create("call_function", expect_dtype, (x, compute, unit.name, what), {}, name=name)
+
+
 def _expand(graph: fx.Graph, members: list[_Member], n: int, tag: int,
             bucket: str | None = None) -> Expanded:
     """The forward steps of one unit, or of a bucket's units, before their markers (which they
@@ -227,13 +255,14 @@ def _expand(graph: fx.Graph, members: list[_Member], n: int, tag: int,
         arrived: dict[int, dict[str, list[fx.Node]]] = {0: {}}
         for m in members:
             tracer.label = {"unit": m.unit.name, "step": 0, "action": "detach"}
-            arrived[0][m.unit.name] = [create("call_method", "detach", (p,), {},
-                                              name=m.label(r, 0))
-                                       for p, r in zip(m.params, m.unit.params)]
-            first += arrived[0][m.unit.name]
+            own = [_own_shard(create, p, master, compute, m.label(r, 0))
+                   for p, r, master, (_, compute) in zip(m.params, m.unit.params, m.masters,
+                                                         m.specs)]
+            arrived[0][m.unit.name] = [nodes[-1] for nodes in own]
+            first += [node for nodes in own for node in nodes]
         held = [d for m in members for d in arrived[0][m.unit.name]]
         tracer.label = {"unit": lead.unit.name, "step": 0, "action": "detach"}
-        x_in = create("call_method", "detach", (lead.x,), {}, name=f"{lead.unit.name}_in")
+        x_in = _unit_input(create, lead)
         parts = []
         for event in forward_schedule(n):  # the lead unit: start(k+1), compute(k), wait(k+1)
             k = event.step
@@ -264,7 +293,7 @@ def _expand(graph: fx.Graph, members: list[_Member], n: int, tag: int,
     for m in members[1:]:  # compute from what arrived during the lead unit's steps
         with graph.inserting_before(m.marker):
             tracer.label = {"unit": m.unit.name, "step": 0, "action": "detach"}
-            m_in = create("call_method", "detach", (m.x,), {}, name=f"{m.unit.name}_in")
+            m_in = _unit_input(create, m)
             parts = [_step(tracer, m, k, m_in, arrived[k][m.unit.name]) for k in range(n)]
             _finish(graph, tracer, m, m_in, parts)
     return Expanded(first, parts[-1], message["bytes"], checkpoint_region(lead.marker))
@@ -338,7 +367,8 @@ def schedule(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             continue  # written with its bucket's first unit
         bucket, members = bucket_of.get(name, (None, (name,)))
         lead = tags[members[0]]
-        expanded.append(_expand(gm.graph, [_Member.of(markers[m], units[m], plan)
+        expanded.append(_expand(gm.graph, [_Member.of(markers[m], units[m], plan,
+                                                      ctx.precision)
                                            for m in members], n, lead["forward_tag"], bucket))
         for m in members:
             backward = bucket_backward_schedule(n, lead["fetch_tag"]) if bucket else \

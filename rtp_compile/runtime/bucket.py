@@ -11,12 +11,15 @@ the rows around the ring, one message per hop, into each rank's own shards' grad
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from rtp_compile.layout import real_part
 from rtp_compile.runtime import ring, transaction
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
+from rtp_compile.runtime.precision import Precision
 
 
 class BucketState:
@@ -24,11 +27,17 @@ class BucketState:
     rows (shard -> flat message of every unit's gradient of that shard)."""
 
     def __init__(self, runtime: "BucketRuntime", own: list[torch.Tensor]):
-        self.runtime, self.own = runtime, own
+        self.runtime, self.master = runtime, own
         self.incoming: dict[int, torch.Tensor] = {}
         self.fetched: dict[int, list[torch.Tensor]] = {}
         self.rows: list[torch.Tensor] | None = None
         self.done: set[str] = set()
+
+    @functools.cached_property
+    def own(self) -> list[torch.Tensor]:
+        """The own shards in the compute dtype (cast once, by backward: the weights rotate in
+        it)."""
+        return self.runtime.precision.to_compute(self.master)
 
     def fetch_start(self, step: int, tag: int) -> None:
         """Start the hop of backward step `step`'s weights (once for the whole bucket)."""
@@ -56,10 +65,11 @@ class BucketState:
         """Views of the real parts of unit `unit`'s gradients of `shard`, to add into."""
         rt = self.runtime
         if self.rows is None:
-            dtype, total, _ = ring.flat_layout(rt.specs)
-            self.rows = [self.own[0].new_zeros(total, dtype=dtype) for _ in range(rt.world_size)]
+            dtype, total, _ = ring.flat_layout(rt.grad_specs)
+            self.rows = [self.master[0].new_zeros(total, dtype=dtype)
+                         for _ in range(rt.world_size)]
         at = rt.slices[unit]
-        views = ring.unpack(self.rows[shard], rt.specs)[at]
+        views = ring.unpack(self.rows[shard], rt.grad_specs)[at]
         return [real_part(v, lay.dim or 0, lay.slot(shard))
                 for v, lay in zip(views, rt.layouts[at])]
 
@@ -68,6 +78,7 @@ class BucketState:
         self.done.add(unit)
         if self.done >= set(self.runtime.slices):
             self.fetched = {}
+            self.__dict__.pop("own", None)  # the cast copy, if any
 
     def reduce_scatter(self) -> list[torch.Tensor] | None:
         """This rank's gradients of its own shards, summed over the ranks (times the gradient
@@ -90,8 +101,9 @@ class BucketState:
             acc.mul_(rt.grad_scale)
         # each gradient its own tensor: autograd keeps some of a message's views as .grad and
         # copies others (measured: the bucket's first units' copied), and one view kept would
-        # hold the whole message alive besides the copies
-        return [g.clone() for g in ring.unpack(acc, rt.specs)]
+        # hold the whole message alive besides the copies (a cast to the shards' dtype copies)
+        return [g.clone() if g.dtype == lay.dtype else g.to(lay.dtype)
+                for g, lay in zip(ring.unpack(acc, rt.grad_specs), rt.layouts)]
 
 
 class _BucketParams(torch.autograd.Function):
@@ -122,12 +134,15 @@ class BucketRuntime(nn.Module):
     layouts in the same order; `schedule`: the bucket's first unit's (its tags)."""
 
     def __init__(self, name, units, layouts, rank, world_size, group_name,
-                 schedule: UnitSchedule, grad_scale):
+                 schedule: UnitSchedule, grad_scale, precision: Precision):
         super().__init__()
         self.bucket_name, self.layouts = name, list(layouts)
         self.rank, self.world_size, self.group_name = rank, world_size, group_name
-        self.schedule, self.grad_scale = schedule, grad_scale
-        self.specs = [(lay.shard_shape, lay.dtype) for lay in self.layouts]
+        self.schedule, self.grad_scale, self.precision = schedule, grad_scale, precision
+        # the shards as they rotate, and their gradient rows (mixed precision: two dtypes)
+        self.specs = [(lay.shard_shape, precision.compute(lay.dtype)) for lay in self.layouts]
+        self.grad_specs = [(lay.shard_shape, precision.reduce(lay.dtype))
+                           for lay in self.layouts]
         self.slices, at = {}, 0
         for unit, count in units:
             self.slices[unit] = slice(at, at + count)

@@ -31,9 +31,9 @@ def sub_roles(values: dict, prefix: str) -> dict:
 
 class FusedBlockRuntime(UnitRuntime):
     def __init__(self, name, fusion, roles, layouts, body, rank, world_size, group_name,
-                 schedule, grad_scale):
+                 schedule, grad_scale, precision):
         super().__init__(name, roles, layouts, rank, world_size, group_name, schedule,
-                         grad_scale)
+                         grad_scale, precision)
         self.head_options = [h.call.options for h in fusion.heads]
         self.tail_options = fusion.tail.call.options
         self.hidden, self.body, self.attention = fusion.hidden, body, fusion.attention

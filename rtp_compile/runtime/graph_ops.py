@@ -66,3 +66,29 @@ def add_into(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
             and torch._C._storage_Use_Count(total.untyped_storage()._cdata) <= 2:
         return total.add_(part)
     return total + part
+
+
+def expect_dtype(x, dtype: torch.dtype, unit: str, what: str):
+    """`x`, the input of a unit whose ops (linear, conv) need it in their weights' dtype,
+    checked to be in `dtype`, the dtype mixed precision computes the unit in; else a clear
+    error naming the unit (`what`: its op and parameters)."""
+    if isinstance(x, fx.Proxy):  # re-traced (an unpickled module): stays one call
+        return x.tracer.create_proxy("call_function", expect_dtype, (x, dtype, unit, what), {})
+    if x.dtype != dtype:
+        raise TypeError(
+            f"rtp_compile: unit {unit} ({what}) computes in {dtype} (mp_policy.param_dtype) "
+            f"but its input is {x.dtype}: the model computes that input in {x.dtype} (an "
+            f"upcast, a {x.dtype} buffer, or a model input left uncast by "
+            f"cast_forward_inputs=False), and a linear or conv needs its input in its weights' "
+            f"dtype, as under FSDP2. Cast the input to {dtype} in the model, or compile without "
+            f"mp_policy.param_dtype.")
+    return x
+
+
+def cast_floating(value, dtype: torch.dtype):
+    """`value` with every floating-point tensor in it cast to `dtype` (FSDP2's cast of a
+    module's inputs and outputs under its MixedPrecisionPolicy); other values as they are."""
+    if isinstance(value, fx.Proxy):  # re-traced (an unpickled module): stays one call
+        return value.tracer.create_proxy("call_function", cast_floating, (value, dtype), {})
+    return torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)

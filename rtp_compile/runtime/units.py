@@ -20,21 +20,24 @@ from torch import nn
 from rtp_compile.layout import real_part
 from rtp_compile.runtime import ring, transaction
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
+from rtp_compile.runtime.precision import Precision
 
 
 class GradientRing:
     """Ring reduce-scatter driven step by step: at step j a rank adds its gradient for shard
     (rank+1+j) mod N, in place, to the accumulator that arrived from rank+1, and passes it on to
-    rank-1; after the last step each rank holds the complete gradient of its own shard."""
+    rank-1; after the last step each rank holds the complete gradient of its own shard. The
+    accumulators are `dtype` (mixed precision: the reduce dtype) on `like`'s device."""
 
-    def __init__(self, layouts, group_name: str, where: str, like: torch.Tensor):
+    def __init__(self, layouts, group_name: str, where: str, like: torch.Tensor,
+                 dtype: torch.dtype):
         self.layouts, self.group_name, self.where = layouts, group_name, where
-        self.like = like
+        self.like, self.dtype = like, dtype
         self.acc: list[torch.Tensor] | None = None
         self.incoming: list[torch.Tensor] | None = None
 
     def receive(self) -> None:
-        specs = [(lay.shard_shape, self.like.dtype) for lay in self.layouts]
+        specs = [(lay.shard_shape, self.dtype) for lay in self.layouts]
         if self.incoming is None:  # one flat buffer: each hop passes it on without packing
             dtype, total, _ = ring.flat_layout(specs)
             self.acc = ring.unpack(self.like.new_zeros(total, dtype=dtype), specs)
@@ -52,7 +55,10 @@ class GradientRing:
         self.acc = None
 
     def result(self, scale: float) -> list[torch.Tensor]:
-        return [a.mul_(scale) if scale != 1 else a for a in self.acc]
+        """The own shards' gradients, scaled, in the shards' dtype (a copy only where the
+        reduce dtype is another)."""
+        return [(a.mul_(scale) if scale != 1 else a).to(lay.dtype)
+                for a, lay in zip(self.acc, self.layouts)]
 
 
 class _UnitGrad(torch.autograd.Function):
@@ -88,11 +94,13 @@ class UnitRuntime(nn.Module):
     bucket = None  # the BucketRuntime of the unit's bucket, if it is in one
 
     def __init__(self, name, roles, layouts, rank, world_size, group_name,
-                 schedule: UnitSchedule, grad_scale):
+                 schedule: UnitSchedule, grad_scale, precision: Precision):
         super().__init__()
         self.unit_name, self.roles, self.layouts = name, list(roles), layouts
         self.rank, self.world_size, self.group_name = rank, world_size, group_name
-        self.schedule, self.grad_scale = schedule, grad_scale
+        self.schedule, self.grad_scale, self.precision = schedule, grad_scale, precision
+        self.compute_dtype = precision.compute(layouts[0].dtype)
+        self.reduce_dtype = precision.reduce(layouts[0].dtype)
         self.shapes = {r: lay.shape for r, lay in zip(self.roles, layouts)}
         self.slots = [{r: lay.slot(s) for r, lay in zip(self.roles, layouts)}
                       for s in range(world_size)]  # per shard: where each role's part lies
@@ -120,13 +128,14 @@ class UnitRuntime(nn.Module):
         and the unit returns none."""
         n, where = self.world_size, f"{self.unit_name} backward"
         dx = torch.zeros_like(x) if need_dx else None
+        own = self.precision.to_compute(own)  # cast once: the weights rotate in it
         if bucket is not None:
             fetch = _BucketFetch(bucket, self.unit_name)
             grads = _BucketGrads(bucket, self.unit_name) if need_dw else None
         else:
             fetch = _UnitFetch(own, self.group_name, where)
-            grads = GradientRing(self.layouts, self.group_name, where, own[0]) if need_dw \
-                else None
+            grads = GradientRing(self.layouts, self.group_name, where, own[0],
+                                 self.reduce_dtype) if need_dw else None
         scratches = {}
         for event in self.schedule.backward:
             j, action = event.step, event.action
@@ -150,12 +159,22 @@ class UnitRuntime(nn.Module):
             elif action == "weight_grad":
                 if need_dw:
                     shards = dict(zip(self.roles, own if j == n - 1 else fetch.held(j)))
-                    self.step_weight_grads(s, dy, x, shards, slots, saved,
+                    self._add_weight_grads(s, dy, x, shards, slots, saved,
                                            dict(zip(self.roles, grads.real_parts(s))), scratch)
                 del scratches[j]  # the step is done
             elif action == "pass" and need_dw:
                 grads.pass_on(j, event.tag)
         return dx, grads.result(self.grad_scale) if need_dw else None
+
+    def _add_weight_grads(self, shard, dy, x, shards, slots, saved, into, scratch):
+        """`step_weight_grads` into the accumulators `into`; under mixed precision computed in
+        the compute dtype, as autograd would, then added into the reduce-dtype accumulators."""
+        if self.compute_dtype == self.reduce_dtype:
+            return self.step_weight_grads(shard, dy, x, shards, slots, saved, into, scratch)
+        local = {r: torch.zeros_like(a, dtype=self.compute_dtype) for r, a in into.items()}
+        self.step_weight_grads(shard, dy, x, shards, slots, saved, local, scratch)
+        for r, a in into.items():
+            a.add_(local[r])
 
 
 class _UnitFetch:
@@ -218,9 +237,9 @@ class RotatedOpRuntime(UnitRuntime):
     values its parameter chain reads, such as a dtype: `saved`)."""
 
     def __init__(self, name, call, mode, layouts, rank, world_size, group_name, schedule,
-                 grad_scale):
+                 grad_scale, precision):
         super().__init__(name, call.params, layouts, rank, world_size, group_name, schedule,
-                         grad_scale)
+                         grad_scale, precision)
         self.rule, self.mode, self.call = call.rule, mode, call
 
     def extra_repr(self) -> str:
@@ -252,10 +271,11 @@ def ring_all_gather(own: list[torch.Tensor], layouts, rank: int, world_size: int
 
 
 def ring_reduce_scatter(full_grads: list[torch.Tensor], layouts, rank: int, world_size: int,
-                        group_name: str, tag: int, where: str, scale: float):
+                        group_name: str, tag: int, where: str, scale: float,
+                        dtype: torch.dtype):
     """Each rank's shard of the sum over ranks of `full_grads` (times `scale`), by N-1
-    counter-clockwise hops of one accumulator message."""
-    grads = GradientRing(layouts, group_name, f"{where} backward", full_grads[0])
+    counter-clockwise hops of one accumulator message in `dtype`, in the shards' dtype."""
+    grads = GradientRing(layouts, group_name, f"{where} backward", full_grads[0], dtype)
     for j in range(world_size):
         s = backward_shard(rank, j, world_size)
         grads.receive()
@@ -317,30 +337,41 @@ class GatheredOpRuntime(nn.Module):
     ops feeding it) whose parameters are placeholders filled with the gathered tensors."""
 
     def __init__(self, name, body, param_names, layouts, rank, world_size, group_name,
-                 schedule: UnitSchedule, grad_scale, reason):
+                 schedule: UnitSchedule, grad_scale, reason, precision: Precision):
         super().__init__()
         self.unit_name, self.param_names = name, list(param_names)
         self.body, self.fills = _without_parameters(body, self.param_names)
         self.layouts, self.rank, self.world_size = layouts, rank, world_size
         self.group_name, self.schedule = group_name, schedule
-        self.grad_scale, self.reason = grad_scale, reason
+        self.grad_scale, self.reason, self.precision = grad_scale, reason, precision
 
     def extra_repr(self) -> str:
         return f"gathered: {self.reason}; rank {self.rank} of {self.world_size}"
 
     def gather(self, own):
-        return ring_all_gather(list(own), self.layouts, self.rank, self.world_size,
-                               self.group_name, self.schedule.forward_tag, self.unit_name)
+        return ring_all_gather(self.precision.to_compute(own), self.layouts, self.rank,
+                               self.world_size, self.group_name, self.schedule.forward_tag,
+                               self.unit_name)
 
     def run(self, inputs, full):
         tensors = {name: t for names, t in zip(self.fills, full) for name in names}
-        return torch.func.functional_call(self.body, tensors, tuple(inputs), strict=False,
-                                          tie_weights=False)
+        try:
+            return torch.func.functional_call(self.body, tensors, tuple(inputs), strict=False,
+                                              tie_weights=False)
+        except (RuntimeError, TypeError) as err:
+            if self.precision.param_dtype is None:
+                raise
+            raise RuntimeError(
+                f"rtp_compile: gathered op {self.unit_name} (parameters "
+                f"{', '.join(lay.name for lay in self.layouts)}) failed with its parameters in "
+                f"{self.precision.param_dtype} (mp_policy.param_dtype): {err}. The op may need "
+                f"another dtype; FSDP2 would run it in {self.precision.param_dtype} too. Cast "
+                f"in the model, or compile without mp_policy.param_dtype.") from err
 
     def reduce_scatter(self, full_grads):
         return ring_reduce_scatter(full_grads, self.layouts, self.rank, self.world_size,
                                    self.group_name, self.schedule.grad_tag, self.unit_name,
-                                   self.grad_scale)
+                                   self.grad_scale, self.precision.reduce(self.layouts[0].dtype))
 
     def forward(self, *tensors):
         n_inputs = len(tensors) - len(self.param_names)
@@ -378,10 +409,11 @@ class _SmallGather(torch.autograd.Function):
         grads = [torch.zeros(lay.shape, dtype=lay.dtype, device=r.device) if g is None else g
                  for g, lay in zip(full_grads, r.layouts)]
         shards = ring_reduce_scatter(grads, r.layouts, r.rank, r.world_size, r.group_name,
-                                     r.schedule.grad_tag, "small parameters", r.grad_scale)
+                                     r.schedule.grad_tag, "small parameters", r.grad_scale,
+                                     r.precision.reduce(r.layouts[0].dtype))
         # each gradient its own tensor: as views of the one accumulator message, any one of
         # them would keep all of it alive (and MemTracker counts it so)
-        return (None, *[g.clone() for g in shards])
+        return (None, *[g.clone() if g._base is not None else g for g in shards])
 
 
 class SmallParamsGather(nn.Module):
@@ -390,20 +422,21 @@ class SmallParamsGather(nn.Module):
     has summed every use's gradient, one reduce-scatter of all of them."""
 
     def __init__(self, names, layouts, rank, world_size, group_name, schedule: UnitSchedule,
-                 grad_scale):
+                 grad_scale, precision: Precision):
         super().__init__()
         self.names, self.layouts, self.rank, self.world_size = list(names), layouts, rank, \
             world_size
         self.group_name, self.schedule, self.grad_scale = group_name, schedule, grad_scale
-        self.device = None
+        self.precision, self.device = precision, None
 
     def extra_repr(self) -> str:
         return f"gathered once per step: {', '.join(self.names)}; rank {self.rank} of " \
                f"{self.world_size}"
 
     def gather(self, own):
-        return ring_all_gather(list(own), self.layouts, self.rank, self.world_size,
-                               self.group_name, self.schedule.forward_tag, "small parameters")
+        return ring_all_gather(self.precision.to_compute(own), self.layouts, self.rank,
+                               self.world_size, self.group_name, self.schedule.forward_tag,
+                               "small parameters")
 
     def forward(self, *own):
         self.device = own[0].device
