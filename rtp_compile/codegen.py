@@ -88,22 +88,16 @@ class RankEmitter:
     def emit(self) -> fx.GraphModule:
         env: dict[fx.Node, fx.Node | None] = {}
         checked = False
+        lowerings = {unit_step: self._step, unit_combine: self._combine,
+                     unit_autograd: self._autograd, gathered_op: self._gathered,
+                     gathered_small: self._small, bucket_params: self._bucket}
         for node in self.src.graph.nodes:
             if node.op != "placeholder" and not checked:
                 self._emit_job_start()
                 checked = True
-            if node.op == "call_function" and node.target is unit_step:
-                env[node] = self._step(node, env)
-            elif node.op == "call_function" and node.target is unit_combine:
-                env[node] = self._combine(node, env)
-            elif node.op == "call_function" and node.target is unit_autograd:
-                env[node] = self._autograd(node, env)
-            elif node.op == "call_function" and node.target is gathered_op:
-                env[node] = self._gathered(node, env)
-            elif node.op == "call_function" and node.target is gathered_small:
-                env[node] = self._small(node, env)
-            elif node.op == "call_function" and node.target is bucket_params:
-                env[node] = self._bucket(node, env)
+            lower = lowerings.get(node.target) if node.op == "call_function" else None
+            if lower is not None:
+                env[node] = lower(node, env)
             else:
                 env[node] = self.graph.node_copy(node, lambda a: env[a])
                 if node.target is torch.ops.rtp.ring_shift_start.default:
