@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import rtp_compile
 from rtp_compile.runtime.transaction import GradTransaction
 from jobs import (buffers_like_ddp, failed_backward_leaves_state, gathered_grads, grad_errors,
-                  loss_of, train_next_to_ddp)
+                  loss_of, rel_err, train_next_to_ddp)
 from zoo import batch, build
 
 TOL = 1e-9
@@ -85,13 +85,31 @@ def summed_grads(rank: int, world_size: int, shape: tuple, seed: int) -> float:
                        {n: world_size * ddp.module.get_parameter(n).grad for n in prog.plan.params})
 
 
+def clipped_on_mesh(rank: int, world_size: int, shape: tuple, seed: int) -> float:
+    """rtp_compile.clip_grad_norm_ on a mesh module against DDP's clip_grad_norm_: the largest
+    relative error of the total norm and of the clipped gradients (gathered over the ring)."""
+    mesh = init_device_mesh("cpu", shape)
+    model = build("gpt", seed)  # widths 37 and 10 over a ring of 2: padded shards
+    prog = rtp_compile.transform(model, shape[-1])
+    gm, ddp = prog.module(mesh=mesh), DDP(copy.deepcopy(model))
+    x = batch("gpt", seed, rank, 0)
+    loss_of(gm(x), seed).backward()
+    loss_of(ddp(x), seed).backward()
+    total = rtp_compile.clip_grad_norm_(gm, 0.05)
+    reference = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
+    grads = grad_errors(gathered_grads(prog, gm, mesh.get_group(1)),
+                        {n: ddp.module.get_parameter(n).grad for n in prog.plan.params})
+    return max(rel_err(total, reference), grads)
+
+
 def mesh_and_buffers(rank: int, world_size: int, seed: int) -> dict:
     """2 x 2: mesh_parity with buckets of 64 bytes (about one per parameter, so they
     all-reduce during backward, in an order the hooks do not decide), buffers_like_ddp and
-    summed_grads."""
+    summed_grads; clipping as DDP clips (clipped_on_mesh)."""
     return {"parity": mesh_parity(rank, world_size, (2, 2), ["gpt", "tiedbias"], seed, 64),
             "buffers": buffers_like_ddp(rank, world_size, seed, True, (2, 2)),
-            "sum": summed_grads(rank, world_size, (2, 2), seed)}
+            "sum": summed_grads(rank, world_size, (2, 2), seed),
+            "clip": clipped_on_mesh(rank, world_size, (2, 2), seed)}
 
 
 @pytest.mark.timeout(300)
@@ -105,6 +123,7 @@ def test_2x2_mesh_equals_ddp_over_all_ranks(seed):
         assert result["buffers"] <= TOL and result["eval_output"] <= TOL, (rank, result)
         assert "bn.running_mean" in result["names"]
     assert all(r["sum"] <= TOL for r in results), [r["sum"] for r in results]
+    assert all(r["clip"] <= TOL for r in results), [r["clip"] for r in results]
 
 
 def degenerate_meshes(rank: int, world_size: int, seed: int) -> dict:
