@@ -238,6 +238,12 @@ def _gather(reports: Any, procs: list, limit_s: float) -> dict[int, bytes]:
             # a failure report is often a peer's echo of a crash not yet seen: give it a moment
             _join_all([p for r, p in enumerate(procs) if r not in received], _CRASH_GRACE_S)
             exited = {r for r, process in enumerate(procs) if process.exitcode is not None}
+            while True:  # the reports of ranks that exited meanwhile are in the pipe by now
+                try:
+                    rank, ok, body = reports.get(timeout=_POLL_S)
+                except queue.Empty:
+                    break
+                received[rank] = (ok, body)
         _raise_for_failure(procs, exited - received.keys(), received)
         if len(received) == len(procs):
             return {rank: body for rank, (_, body) in received.items()}
