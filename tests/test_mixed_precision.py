@@ -25,16 +25,6 @@ RTP_OPTIONS = {"default": {}, "bucketed": {"bucket_bytes": 1 << 30, "small_param
                "gathered": {"disable": ["split_norm_affine", "fuse_blocks"]}}
 
 
-@pytest.fixture(autouse=True)
-def float32_models():
-    """Float32 masters whatever default dtype an imported test module set (test_passes.py:
-    float64)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    yield
-    torch.set_default_dtype(previous)
-
-
 def _batches(seed: int, rank: int):
     gen = torch.Generator().manual_seed(seed * 100 + rank)
     return [torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen)

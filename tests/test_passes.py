@@ -1,16 +1,13 @@
 """Each pass on small graphs, in one process: the invariant its docstring states."""
-import copy
-import itertools
 import operator
 
 import pytest
 import torch
-import torch.fx as fx
 from torch import nn
 
 import rtp_compile
 from rtp_compile.capture import capture
-from rtp_compile.op_rules import RULES, External, OpCall, Step
+from rtp_compile.op_rules import RULES, External, Step
 from rtp_compile.passes.lower_modules import lower_modules
 from rtp_compile.passes.match import match_op, parameter_reads
 from rtp_compile.layout import ParamLayout
@@ -18,7 +15,15 @@ from rtp_compile.passes.context import Context, Options
 from rtp_compile.passes.split_norm_affine import split_norm_affine
 from zoo import build, tiny_gpt
 
-torch.set_default_dtype(torch.float64)
+
+@pytest.fixture(autouse=True)
+def float64_by_default():
+    """This module's small models are float64 (exact comparisons), and only this module's:
+    the default dtype is restored after each test."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 @pytest.mark.parametrize("shape,dim", [((10, 6), 0), ((10, 6), 1), ((5,), 0), ((3, 1, 7), 2),
