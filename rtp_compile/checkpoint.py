@@ -43,8 +43,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadat
 
 from rtp_compile.codegen import job_of
 from rtp_compile.dcp_shards import ShardChunks, ShardLoadPlanner, ShardSavePlanner
-from rtp_compile.model_state import (computed_state, hooked_native_keys, state_dict_sources,
-                                     to_native)
+from rtp_compile.model_state import computed_state, hooked_native_keys, to_native
 from rtp_compile.program import RTPProgram, program_of
 
 
@@ -120,8 +119,7 @@ def _model_entries(prog: RTPProgram, gm: nn.Module, rank: int,
     every rank's next forward takes; each rank's own can differ, as BatchNorm's statistics do)
     and the keys the model's state-dict hooks compute, from the full tensors of the modules
     that have hooks (gathered: the only full tensors a save makes)."""
-    model = prog.ctx.model
-    sources = state_dict_sources(model)
+    model, sources = prog.ctx.model, prog.state_dict_sources
     entries = {}
     for key, source in sources.items():
         name = None if source is None else prog.alias_of(source)
@@ -133,7 +131,7 @@ def _model_entries(prog: RTPProgram, gm: nn.Module, rank: int,
     if None in sources.values():
         full = {k: prog.full_tensor(gm, k) for k in hooked_native_keys(model)}  # collective
         if first:
-            entries.update(computed_state(model, full, "rtp_compile.checkpoint.save"))
+            entries.update(computed_state(model, full, sources, "rtp_compile.checkpoint.save"))
     return {k: entries[k] for k in sources if k in entries}
 
 
@@ -142,8 +140,11 @@ def _model_targets(prog: RTPProgram, gm: nn.Module, rank: int,
     """Fresh tensors to read the model into, by state_dict key: a zero shard per parameter
     (read under the first of its keys the checkpoint has), a copy per buffer, a whole tensor
     per key the model's hooks compute; every key and shape checked."""
-    sources = state_dict_sources(prog.ctx.model)
-    saved = metadata.state_dict_metadata
+    sources, saved = prog.state_dict_sources, metadata.state_dict_metadata
+    keys_of: dict[str, list[str]] = {}  # parameter -> its state_dict keys
+    for key, source in sources.items():
+        if source is not None and prog.alias_of(source) is not None:
+            keys_of.setdefault(prog.alias_of(source), []).append(key)
     targets, missing, wrong, done = {}, [], [], set()
     for key, source in sources.items():
         name = None if source is None else prog.alias_of(source)
@@ -151,10 +152,9 @@ def _model_targets(prog: RTPProgram, gm: nn.Module, rank: int,
             continue
         if name is not None:
             layout = prog.plan.params[name]
-            names = [k for k, s in sources.items() if s is not None and prog.alias_of(s) == name]
-            key = next((k for k in names if f"model.{k}" in saved), None)
+            key = next((k for k in keys_of[name] if f"model.{k}" in saved), None)
             if key is None:
-                missing.append(f"parameter {'/'.join(names)}")
+                missing.append(f"parameter {'/'.join(keys_of[name])}")
                 continue
             done.add(name)
             shape, param = tuple(layout.shape), gm.get_parameter(name)
@@ -189,8 +189,7 @@ def _copy_model(prog: RTPProgram, gm: nn.Module, rank: int, loaded: dict[str, ob
     """Put what was read into `gm`: shards and buffers as they are; the tensors of modules
     whose hooks compute keys through the model's own load_state_dict (its load pre-hooks), on
     a skeleton, then cut to this rank's shards."""
-    model = prog.ctx.model
-    sources = state_dict_sources(model)
+    model, sources = prog.ctx.model, prog.state_dict_sources
     with torch.no_grad():
         for key, target in loaded.items():
             if isinstance(target, ShardChunks):

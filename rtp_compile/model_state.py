@@ -56,12 +56,7 @@ def to_model_state_dict(model: nn.Module, native: Mapping[str, torch.Tensor],
     keys = native_state_keys(model)
     if not has_state_dict_hooks(model):
         return {k: native[k] for k in keys}
-    skeleton = _skeleton(model)
-    for key in keys:
-        module_name, _, leaf = key.rpartition(".")
-        module = skeleton.get_submodule(module_name)
-        table = module._parameters if leaf in module._parameters else module._buffers
-        table[leaf] = native[key]  # state_dict reads these tables; plain tensors are fine
+    skeleton = _skeleton_holding(model, {k: native[k] for k in keys})
     try:
         return dict(skeleton.state_dict())
     except Exception as err:
@@ -114,7 +109,8 @@ def state_dict_sources(model: nn.Module) -> dict[str, str | None]:
     skeleton = _skeleton(model)
     native = {}
     for key in keys:
-        native.setdefault(id(_slot_of(skeleton, key)), key)
+        table, leaf = _table_of(skeleton, key)
+        native.setdefault(id(table[leaf]), key)
     return {k: native.get(id(v)) for k, v in skeleton.state_dict(keep_vars=True).items()}
 
 
@@ -128,17 +124,12 @@ def hooked_native_keys(model: nn.Module) -> list[str]:
 
 
 def computed_state(model: nn.Module, native: Mapping[str, torch.Tensor],
-                   what: str) -> dict[str, torch.Tensor]:
-    """The keys of `model.state_dict()` its hooks compute (`state_dict_sources` None), from the
-    full tensors of `native` (at least `hooked_native_keys`); the other tensors stay meta."""
-    skeleton = _skeleton(model)
-    for key, tensor in native.items():
-        module_name, _, leaf = key.rpartition(".")
-        module = skeleton.get_submodule(module_name)
-        table = module._parameters if leaf in module._parameters else module._buffers
-        table[leaf] = tensor
-    wanted = [k for k, source in state_dict_sources(model).items() if source is None]
-    state = skeleton.state_dict()
+                   sources: Mapping[str, str | None], what: str) -> dict[str, torch.Tensor]:
+    """The keys of `model.state_dict()` its hooks compute (None in `sources`, what
+    `state_dict_sources` gives), from the full tensors of `native` (at least
+    `hooked_native_keys`); the other tensors stay meta."""
+    wanted = [k for k, source in sources.items() if source is None]
+    state = _skeleton_holding(model, native).state_dict()
     out = {k: state[k] for k in wanted}
     stray = [k for k, v in out.items() if v.is_meta]
     if stray:
@@ -147,7 +138,19 @@ def computed_state(model: nn.Module, native: Mapping[str, torch.Tensor],
     return out
 
 
-def _slot_of(module: nn.Module, key: str) -> torch.Tensor:
+def _table_of(module: nn.Module, key: str) -> tuple[dict, str]:
+    """The table (`_parameters` or `_buffers`) of the submodule that keeps native key `key`,
+    and its name there."""
     module_name, _, leaf = key.rpartition(".")
     owner = module.get_submodule(module_name)
-    return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
+    return (owner._parameters if leaf in owner._parameters else owner._buffers), leaf
+
+
+def _skeleton_holding(model: nn.Module, native: Mapping[str, torch.Tensor]) -> nn.Module:
+    """A skeleton of `model` whose tensors under the native keys of `native` are those (no
+    copy; state_dict reads these tables, and plain tensors are fine there); the rest meta."""
+    skeleton = _skeleton(model)
+    for key, tensor in native.items():
+        table, leaf = _table_of(skeleton, key)
+        table[leaf] = tensor
+    return skeleton

@@ -1,6 +1,7 @@
 """RTPProgram: the plan, the rank-generic program, and what each rank needs from them."""
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import TYPE_CHECKING
 
@@ -13,7 +14,8 @@ from rtp_compile.codegen import RankEmitter, job_of
 from rtp_compile.cost.model import rtp_cost
 from rtp_compile.cost.profile import profile_of
 from rtp_compile.full_checkpoint import checkpoint_keys
-from rtp_compile.model_state import open_model_checkpoint, to_model_state_dict
+from rtp_compile.model_state import (open_model_checkpoint, state_dict_sources,
+                                     to_model_state_dict)
 from rtp_compile.passes import compile_graph
 from rtp_compile.passes.context import Context
 from rtp_compile.passes.plan import Plan
@@ -76,10 +78,18 @@ class RTPProgram:
     def alias_of(self, key: str) -> str | None:
         """The parameter (as the plan and rank modules name it) that native state key `key`
         names, under any of its tied names; None for a buffer."""
-        if not hasattr(self, "_aliases"):
-            self._aliases = {a: n for n, lay in self.plan.params.items()
-                             for a in lay.aliases or (n,)}
         return self._aliases.get(key)
+
+    @functools.cached_property
+    def _aliases(self) -> dict[str, str]:
+        return {a: n for n, lay in self.plan.params.items() for a in lay.aliases or (n,)}
+
+    @functools.cached_property
+    def state_dict_sources(self) -> dict[str, str | None]:
+        """`model_state.state_dict_sources` of the model: each of its state_dict keys with the
+        native key it passes on, or None where its hooks compute it (found once, on a
+        skeleton; the model's modules and hooks are fixed for the program)."""
+        return state_dict_sources(self.ctx.model)
 
     @property
     def graph(self) -> fx.Graph:
