@@ -64,13 +64,13 @@ class ShardChunks:
         self.full_shape = torch.Size(layout.shape)
         slot = layout.slot(s)
         if layout.dim is None:
-            flat = shard.reshape(-1)
+            flat, taken = shard.reshape(-1), 0
             self.boxes = {}
             for offsets, sizes in flat_range_boxes(layout.shape, slot.offset,
                                                    slot.offset + slot.valid):
-                begin = sum(o * st for o, st in zip(offsets, _strides(layout.shape)))
-                self.boxes[offsets] = (sizes, flat.narrow(0, begin - slot.offset,
-                                                          math.prod(sizes)).view(sizes))
+                size = math.prod(sizes)  # boxes come in flat order, one after another
+                self.boxes[offsets] = (sizes, flat.narrow(0, taken, size).view(sizes))
+                taken += size
         elif slot.valid:
             offsets = tuple(slot.offset if d == layout.dim else 0 for d in range(len(layout.shape)))
             view = shard.narrow(layout.dim, 0, slot.valid)
@@ -96,14 +96,6 @@ class ShardChunks:
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         return self.boxes[tuple(index.offset)][1]
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, step = [], 1
-    for size in reversed(shape):
-        out.append(step)
-        step *= size
-    return tuple(reversed(out))
 
 
 class ShardSavePlanner(DefaultSavePlanner):
