@@ -5,9 +5,23 @@ The passes write calls to them into the graph; they run inside every rank's modu
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+
+
+def one_call_when_traced(fn):
+    """`fn` called on an fx.Proxy first argument (a rank's graph traced, or an unpickled module
+    re-traced) records one call of `fn` in the graph, decided at run time, instead of tracing
+    into its body."""
+    @functools.wraps(fn)
+    def call(first, *args):
+        if isinstance(first, fx.Proxy):
+            return first.tracer.create_proxy("call_function", call, (first, *args), {})
+        return fn(first, *args)
+    return call
 
 
 def affine(x: torch.Tensor, weight, bias, dim: int) -> torch.Tensor:
@@ -37,12 +51,10 @@ def batch_norm_module(x, running_mean, running_var, num_batches_tracked, weight,
                         use_batch_stats, factor, eps)
 
 
+@one_call_when_traced
 def head_slice(t, dim: int, start: int, length: int, full: int, rank):
     """An operand of unknown shape (fx level) against a value cut on `dim`: broadcast when it
     has no extent there, this shard's part when it has the full extent, else an error."""
-    if isinstance(t, fx.Proxy):  # traced into a rank's graph: one call, decided at run time
-        return t.tracer.create_proxy("call_function", head_slice,
-                                     (t, dim, start, length, full, rank), {})
     if not isinstance(t, torch.Tensor) or t.dim() < -dim or t.shape[dim] == 1:
         if isinstance(t, torch.Tensor) and rank is not None and t.dim() > rank:
             raise RuntimeError(f"rtp_compile: an operand of a fused block has {t.dim()} dims, "
@@ -54,13 +66,12 @@ def head_slice(t, dim: int, start: int, length: int, full: int, rank):
     return t.narrow(dim, start, length)
 
 
+@one_call_when_traced
 def add_into(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     """total + part, written into `total` when nothing else can see it: no other tensor shares
     its storage, it takes no gradient, and the sum keeps its shape and dtype (a unit's running
     sum of its step outputs, computed outside autograd); else a new tensor. Bitwise the same
     either way."""
-    if isinstance(total, fx.Proxy):  # re-traced (an unpickled module): stays one call
-        return total.tracer.create_proxy("call_function", add_into, (total, part), {})
     if not total.requires_grad and total.shape == torch.broadcast_shapes(total.shape, part.shape) \
             and total.dtype == torch.result_type(total, part) \
             and torch._C._storage_Use_Count(total.untyped_storage()._cdata) <= 2:
@@ -68,12 +79,11 @@ def add_into(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     return total + part
 
 
+@one_call_when_traced
 def expect_dtype(x, dtype: torch.dtype, unit: str, what: str):
     """`x`, the input of a unit whose ops (linear, conv) need it in their weights' dtype,
     checked to be in `dtype`, the dtype mixed precision computes the unit in; else a clear
     error naming the unit (`what`: its op and parameters)."""
-    if isinstance(x, fx.Proxy):  # re-traced (an unpickled module): stays one call
-        return x.tracer.create_proxy("call_function", expect_dtype, (x, dtype, unit, what), {})
     if x.dtype != dtype:
         raise TypeError(
             f"rtp_compile: unit {unit} ({what}) computes in {dtype} (mp_policy.param_dtype) "
@@ -85,10 +95,9 @@ def expect_dtype(x, dtype: torch.dtype, unit: str, what: str):
     return x
 
 
+@one_call_when_traced
 def cast_floating(value, dtype: torch.dtype):
     """`value` with every floating-point tensor in it cast to `dtype` (FSDP2's cast of a
     module's inputs and outputs under its MixedPrecisionPolicy); other values as they are."""
-    if isinstance(value, fx.Proxy):  # re-traced (an unpickled module): stays one call
-        return value.tracer.create_proxy("call_function", cast_floating, (value, dtype), {})
     return torch.utils._pytree.tree_map_only(
         torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
