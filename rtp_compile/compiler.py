@@ -12,7 +12,7 @@ def transform(model: nn.Module, world_size: int, example_inputs=None, *, example
               grad_reduction: str = "mean", fuse: bool = True, fuse_padding: float = 0.02,
               small_param_bytes: int = 65536, max_bytes_in_flight: int | None = None,
               bucket_bytes: int | None = None, mp_policy=None, disable=(),
-              debug: bool = False) -> RTPProgram:
+              debug: bool = False, fixed_layouts=()) -> RTPProgram:
     """Compile `model` for `world_size` ranks; needs no process group.
 
     Without example inputs the model is traced with torch.fx (or exported with the
@@ -37,12 +37,16 @@ def transform(model: nn.Module, world_size: int, example_inputs=None, *, example
     compute, and the weights rotate, in `param_dtype`; gradients are summed over the ranks in
     `reduce_dtype` and land in `.grad` in the shards' dtype; floating inputs are cast to
     `param_dtype` (`cast_forward_inputs`), floating outputs to `output_dtype` if set.
+    `fixed_layouts`: (parameter name, shard dim or None for flat, granule) of parameters already
+    sharded elsewhere, which keep that layout (what `rtp_compile.shard` and the compile backend
+    pass; a use that cannot shard along it is gathered, a block that would cut it otherwise is
+    not fused).
     `disable`: names of optional passes to skip
     (`rtp_compile.passes.PIPELINE`). `debug`: log each pass's graph diff at INFO through
     `logging.getLogger("rtp_compile")` and keep its code before and after in `prog.pass_log`."""
     disable = tuple(disable) + (() if fuse else ("fuse_blocks",))
     options = Options(grad_reduction, fuse_padding, small_param_bytes, max_bytes_in_flight,
-                      bucket_bytes, disable, debug, mp_policy)
+                      bucket_bytes, disable, debug, mp_policy, fixed_layouts)
     return compile_program(model, world_size, example_inputs, example_kwargs, options)
 
 

@@ -42,7 +42,9 @@ class Options:
     pass's graph diff at INFO through `logging.getLogger("rtp_compile")` and keep the code
     before and after each pass in `prog.pass_log`. `mp_policy`: FSDP2's
     `MixedPrecisionPolicy` (compute and rotation in `param_dtype`, gradients reduced in
-    `reduce_dtype`, the shards themselves stay in the model's dtype; `runtime.precision`)."""
+    `reduce_dtype`, the shards themselves stay in the model's dtype; `runtime.precision`).
+    `fixed_layouts`: (parameter name, shard dim or None for flat, granule) of parameters already
+    sharded, which the plan keeps (`rtp_compile.shard`, the compile backend's earlier graphs)."""
     grad_reduction: str = "mean"
     fuse_padding: float = 0.02
     small_param_bytes: int = 65536
@@ -51,6 +53,7 @@ class Options:
     disable: tuple[str, ...] = ()
     debug: bool = False
     mp_policy: MixedPrecisionPolicy | None = None
+    fixed_layouts: tuple[tuple[str, int | None, int], ...] = ()
 
     def __post_init__(self):
         if self.grad_reduction not in ("mean", "sum"):
@@ -77,6 +80,12 @@ class Options:
         if self.mp_policy is not None:
             _check_policy(self.mp_policy)
         object.__setattr__(self, "disable", tuple(self.disable))
+        object.__setattr__(self, "fixed_layouts", tuple(self.fixed_layouts))
+
+    @property
+    def fixed(self) -> dict[str, tuple[int | None, int]]:
+        """Parameter name -> (dim, granule) the plan must keep."""
+        return {name: (dim, granule) for name, dim, granule in self.fixed_layouts}
 
 
 def _check_policy(policy) -> None:

@@ -177,7 +177,8 @@ def fuse_blocks(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     unit; record why each attention block that is not fused is not (the graph is unchanged).
     Attention is cut in whole head groups: a block whose groups N does not divide is fused only
     if that padding adds at most `ctx.options.fuse_padding` to its weights per rank (memory at
-    1/N comes first)."""
+    1/N comes first). A block that would cut an already-sharded parameter
+    (`Options.fixed_layouts`) otherwise than it is cut is not fused."""
     plan = ctx.plan
     finder = BlockFinder(gm, plan, ctx.options.fuse_padding)
     for tail in [u for u in plan.units if u.kind == "rotate" and u.call.rule.name == "linear"]:
@@ -191,32 +192,50 @@ def fuse_blocks(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             if finder.readers[tail.params["weight"]] != 1:
                 raise NotExact("its output projection's weight is tied or read elsewhere")
             walk = finder.check(tail, heads, region)
+            externals = sorted({i for n in region for i in n.all_input_nodes} - set(region)
+                               - set(heads), key=finder.order.get)
+            fusion = Fusion([finder.units[h] for h in heads], tail, [n.name for n in region],
+                            walk.groups(), [e.name for e in externals], walk.rewrites,
+                            attention, walk.tail_width)
+            _keeps_fixed(_fused_layouts(plan, fusion), ctx.options.fixed)
         except NotExact as why:
             if attention:
                 plan.unfused[tail.name] = str(why)
             continue
-        externals = sorted({i for n in region for i in n.all_input_nodes} - set(region)
-                           - set(heads), key=finder.order.get)
-        units = [finder.units[h] for h in heads]
-        _record_fusion(plan, Fusion(units, tail, [n.name for n in region], walk.groups(),
-                                    [e.name for e in externals], walk.rewrites, attention,
-                                    walk.tail_width))
+        _record_fusion(plan, fusion)
     plan.units.sort(key=lambda u: finder.order[finder.nodes[u.node]])
     return gm
 
 
-def _record_fusion(plan: Plan, fusion: Fusion) -> None:
-    """Replace the block's units by one fused unit: the tail's weight cut on its inputs, every
-    layout of the block cut in whole groups (a granule: one group's width in that layer)."""
-    g = fusion.groups
+def _fused_layouts(plan: Plan, fusion: Fusion) -> dict[str, tuple[int, int]]:
+    """(dim, granule) of every parameter of the block fused: the tail's weight cut on its
+    inputs, every other layout on its outputs, in whole groups (a granule: one group's width
+    in that layer)."""
+    g, out = fusion.groups, {}
     for unit, dim in [(h, _linear_dims(h)[0]) for h in fusion.heads] + \
             [(fusion.tail, _linear_dims(fusion.tail)[1])]:
         roles = unit.params.items() if unit is not fusion.tail else [("weight",
                                                                      unit.params["weight"])]
         for role, name in roles:
-            lay = plan.params[name]
             d = dim if role == "weight" else 0
-            plan.params[name] = dataclasses.replace(lay, dim=d, granule=lay.shape[d] // g)
+            out[name] = (d, plan.params[name].shape[d] // g)
+    return out
+
+
+def _keeps_fixed(layouts: dict[str, tuple[int, int]], fixed: dict[str, tuple]) -> None:
+    """NotExact where fusing would cut a parameter otherwise than it is already sharded."""
+    moved = sorted(n for n, lay in layouts.items() if n in fixed and fixed[n] != lay)
+    if moved:
+        raise NotExact(f"{moved[0]} is already sharded as (dim, granule) {fixed[moved[0]]} "
+                       f"(rtp_compile.shard or an earlier compiled graph); the block would cut "
+                       f"it as {layouts[moved[0]]}")
+
+
+def _record_fusion(plan: Plan, fusion: Fusion) -> None:
+    """Replace the block's units by one fused unit, its parameters laid out by
+    `_fused_layouts`."""
+    for name, (d, granule) in _fused_layouts(plan, fusion).items():
+        plan.params[name] = dataclasses.replace(plan.params[name], dim=d, granule=granule)
     params = {f"head{i}.{role}": name for i, h in enumerate(fusion.heads)
               for role, name in h.params.items()}
     params.update({f"tail.{role}": name for role, name in fusion.tail.params.items()})

@@ -4,7 +4,10 @@ weight-bearing node a unit: rotated with its rule's mode, or gathered (and why).
 Invariants: every parameter is sharded (no rank ever keeps a full replica); a parameter read by
 several nodes (tied weights, a layer called twice) has one layout that all its rotated uses share;
 a node whose op has no rule, or whose shard dims conflict with that layout, is gathered; sizes
-not divisible by N are padded, the padding is zero and never reaches a result.
+not divisible by N are padded, the padding is zero and never reaches a result. A parameter whose
+layout is fixed (`Options.fixed_layouts`: already sharded, by `rtp_compile.shard` or a graph the
+compile backend transformed before) keeps that dim and granule; a use that cannot shard along
+it is gathered.
 """
 from __future__ import annotations
 
@@ -138,16 +141,19 @@ def check_plan(gm: fx.GraphModule, ctx) -> None:
 def plan_sharding(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Write into `ctx.plan` a layout for every parameter and a unit for every weight-bearing
     node (the graph is unchanged)."""
-    ctx.plan = make_plan(gm, ctx.world_size, ctx.params, ctx.aliases)
+    ctx.plan = make_plan(gm, ctx.world_size, ctx.params, ctx.aliases,
+                         ctx.options.fixed)
     return gm
 
 
 def make_plan(gm: fx.GraphModule, world_size: int, params: dict[str, torch.Tensor],
-              aliases: dict[str, list[str]]) -> Plan:
+              aliases: dict[str, list[str]], fixed: dict[str, tuple] | None = None) -> Plan:
     """Choose a layout for every parameter and a unit for every weight-bearing node.
 
-    `params`: the model's parameters by canonical name; `aliases`: every name of each.
+    `params`: the model's parameters by canonical name; `aliases`: every name of each;
+    `fixed`: name -> (dim, granule) of parameters already sharded, which keep that layout.
     """
+    fixed = fixed or {}
     reads = parameter_reads(gm)
     param_only = parameter_only_nodes(gm, reads)
     canonical = {alias: canon for canon, names in aliases.items() for alias in names}
@@ -177,9 +183,10 @@ def make_plan(gm: fx.GraphModule, world_size: int, params: dict[str, torch.Tenso
                 all(n in reads or (chain_input(n) or n.args[0]) in inside for n in closure):
             calls[node] = call
 
-    dims = _choose_dims(calls, shapes)
+    dims = _choose_dims(calls, shapes, fixed)
     layouts = {name: ParamLayout(name, shapes[name], p.dtype, world_size, dims.get(name),
-                                 tuple(aliases.get(name, [name])))
+                                 tuple(aliases.get(name, [name])),
+                                 fixed[name][1] if name in fixed else 1)
                for name, p in params.items()}
     plan = Plan(world_size, layouts)
     taken: set[str] = set()
@@ -193,7 +200,10 @@ def make_plan(gm: fx.GraphModule, world_size: int, params: dict[str, torch.Tenso
                                    "rotate", dict(call.params), call, mode,
                                    target=_target_name(node)))
             continue
-        if call is not None:
+        if call is not None and fixed.keys() & set(call.params.values()):
+            reason = ("it cannot shard along the dim its parameter was already sharded on "
+                      "(rtp_compile.shard, or an earlier compiled graph)")
+        elif call is not None:
             reason = "its shard dims conflict with the layout its tied parameter needs elsewhere"
         elif match_op(node, gm, reads) is not None:
             reason = "it reads parameters through ops the rule cannot shard"
@@ -216,19 +226,20 @@ def _leaf_module_params(gm: fx.GraphModule) -> dict[str, list[str]]:
     return out
 
 
-def _choose_dims(calls: dict[fx.Node, OpCall], shapes) -> dict[str, int]:
-    """One shard dim per parameter that every rotatable use supports, in the first use's order."""
-    options: dict[str, list[int]] = {}
+def _choose_dims(calls: dict[fx.Node, OpCall], shapes, fixed: dict[str, tuple]) -> dict[str, int]:
+    """One shard dim per parameter that every rotatable use supports, in the first use's order;
+    a fixed parameter's own (None: flat)."""
+    options: dict[str, list[int]] = {name: [dim] for name, (dim, _) in fixed.items()}
     for call in calls.values():
         modes = call.rule.modes({r: shapes[p] for r, p in call.params.items()}, call.options)
         for role, name in call.params.items():
             supported = [dims[role] for dims in modes.values()]
             if name not in options:
                 options[name] = list(dict.fromkeys(supported))
-            else:
+            elif name not in fixed:
                 narrowed = [d for d in options[name] if d in supported]
                 options[name] = narrowed or options[name]  # conflict: first use wins, others gather
-    return {name: dims[0] for name, dims in options.items() if dims}
+    return {name: dims[0] for name, dims in options.items() if dims and dims[0] is not None}
 
 
 def _mode_for(call: OpCall, dims: dict[str, int], shapes) -> str | None:
