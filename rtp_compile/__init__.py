@@ -1,15 +1,20 @@
 """rtp_compile: compile a PyTorch model into per-rank programs that train with Rotated Tensor
-Parallelism. The public surface is `transform`, `launch`, `RTPProgram` and `clip_grad_norm_`
-(see docs/API)."""
+Parallelism. The public surface is `transform`, `launch`, `RTPProgram`, `clip_grad_norm_`, and
+for torch.compile `backend` (also `backend="rtp"`), `shard`, `full_state_dict` and
+`load_full_state_dict` (see docs/API)."""
+from rtp_compile.backend import backend, register_rtp_backend
 from rtp_compile.capture import CaptureError
 from rtp_compile.clip import clip_grad_norm_
 from rtp_compile.compiler import transform
 from rtp_compile.materialize import materialize_full
 from rtp_compile.program import RTPProgram
 from rtp_compile.runtime.launch import RankError, launch
+from rtp_compile.sharded_model import full_state_dict, load_full_state_dict, shard
 
 __all__ = ["transform", "launch", "RTPProgram", "CaptureError", "RankError", "materialize_full",
-           "clip_grad_norm_"]
+           "clip_grad_norm_", "backend", "shard", "full_state_dict", "load_full_state_dict"]
+
+register_rtp_backend()
 
 
 def __getattr__(name: str):

@@ -13,16 +13,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rtp_compile import shard_registry
 from rtp_compile.codegen import job_of
 from rtp_compile.layout import real_part
 from rtp_compile.program import program_of
-from rtp_compile.runtime.ring import resolve_group
+from rtp_compile.runtime.ring import JobCheck, resolve_group
 
 
 def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
     """Clip the gradients of a rank module's shards in place by the norm of the *full*
     gradients, over all ranks of its group; return that total norm (a tensor, as torch's).
+    `gm` may also be a model trained through the compile backend (`backend="rtp"`, after its
+    first call) or sharded by `rtp_compile.shard`: its shards are clipped the same way.
 
     Collective: every rank of the module's group calls it, at the same point. Equals
     `torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm, norm_type)` on the
@@ -45,15 +48,19 @@ def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
     if not norm_type > 0:
         raise ValueError(f"rtp_compile.clip_grad_norm_: norm_type must be > 0 or inf, got "
                          f"{norm_type}")
-    job, layouts = job_of(gm), program_of(gm).plan.params
-    params = [p for p in gm.parameters() if p.grad is not None]
-    local = torch.nn.utils.get_total_norm(
-        [part for name, p in gm.named_parameters() if p.grad is not None
-         if (part := _real_grad(p.grad, layouts[name], job.rank)).numel()],
-        norm_type, foreach=foreach)
-    if job.world_size > 1:
-        norms = [torch.empty_like(local) for _ in range(job.world_size)]
-        dist.all_gather(norms, local, group=resolve_group(job.group_name))
+    if isinstance(getattr(gm, "rtp_job", None), JobCheck):
+        job, layouts = job_of(gm), program_of(gm).plan.params
+        params = [p for p in gm.parameters() if p.grad is not None]
+        parts = [_real_grad(p.grad, layouts[name], job.rank)
+                 for name, p in gm.named_parameters() if p.grad is not None]
+        world_size, group_name = job.world_size, job.group_name
+    else:
+        params, parts, world_size, group_name = _model_shard_grads(gm)
+    local = torch.nn.utils.get_total_norm([part for part in parts if part.numel()], norm_type,
+                                          foreach=foreach)
+    if world_size > 1:
+        norms = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(norms, local, group=resolve_group(group_name))
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     else:
         total = local
@@ -64,6 +71,30 @@ def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
             "scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
     return total
+
+
+def _model_shard_grads(model: nn.Module):
+    """(shards with a gradient, the real part of each gradient, world size, group name) of a
+    model that trains through the compile backend or was sharded by `rtp_compile.shard`."""
+    entries = {id(e.shard): e for p in model.parameters()
+               if (e := shard_registry.entry_of(p)) is not None}
+    stray = [n for n, p in model.named_parameters()
+             if shard_registry.entry_of(p) is None and p.grad is not None]
+    if stray or not entries:
+        raise ValueError(
+            f"rtp_compile.clip_grad_norm_: expected a rank module (prog.module(rank)), a model "
+            f"compiled with backend='rtp' after its first call, or one sharded by "
+            f"rtp_compile.shard; {type(model).__name__} has "
+            + (f"unsharded parameters with gradients ({', '.join(stray[:4])})" if stray
+               else "no sharded parameter"))
+    groups = {(e.layout.world_size, e.group_name) for e in entries.values()}
+    if len(groups) > 1:
+        raise ValueError(f"rtp_compile.clip_grad_norm_: the model's shards live on several "
+                         f"rings {sorted(groups)}; clip each ring's parameters separately")
+    with_grad = [e for e in entries.values() if e.shard.grad is not None]
+    (world_size, group_name), = groups
+    return [e.shard for e in with_grad], [e.real_grad() for e in with_grad], world_size, \
+        group_name
 
 
 def _real_grad(grad: torch.Tensor, layout, rank: int) -> torch.Tensor:

@@ -39,24 +39,28 @@ def has_state_dict_hooks(model: nn.Module) -> bool:
     return any(getattr(m, table, None) for m in model.modules() for table in _HOOK_TABLES)
 
 
-def _skeleton(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose parameters and buffers are meta tensors (no data is copied)."""
+def _skeleton(model: nn.Module, full_shape=None) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are meta tensors (no data is copied), of
+    `full_shape(tensor)` where given (a model holding shards: the shapes its state_dict has
+    in full)."""
     memo = {}
     for _, t in list(model.named_parameters(remove_duplicate=False)) + \
             list(model.named_buffers(remove_duplicate=False)):
-        empty = torch.empty_like(t, device="meta")
+        shape = t.shape if full_shape is None else full_shape(t)
+        empty = torch.empty(shape, dtype=t.dtype, device="meta")
         memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) \
             else empty
     return copy.deepcopy(model, memo)
 
 
 def to_model_state_dict(model: nn.Module, native: Mapping[str, torch.Tensor],
-                        what: str) -> dict[str, torch.Tensor]:
-    """`native` (every native key of `model`, full tensors) as `model.state_dict()` gives it."""
+                        what: str, full_shape=None) -> dict[str, torch.Tensor]:
+    """`native` (every native key of `model`, full tensors) as `model.state_dict()` gives it
+    (`full_shape`: as `_skeleton` takes it)."""
     keys = native_state_keys(model)
     if not has_state_dict_hooks(model):
         return {k: native[k] for k in keys}
-    skeleton = _skeleton_holding(model, {k: native[k] for k in keys})
+    skeleton = _skeleton_holding(model, {k: native[k] for k in keys}, full_shape)
     try:
         return dict(skeleton.state_dict())
     except Exception as err:
@@ -67,11 +71,12 @@ def to_model_state_dict(model: nn.Module, native: Mapping[str, torch.Tensor],
 
 
 def to_native(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
-              what: str) -> dict[str, torch.Tensor]:
+              what: str, full_shape=None) -> dict[str, torch.Tensor]:
     """A state_dict in `model`'s keys as native names, through the model's own load_state_dict
-    (its load pre-hooks, strict key and shape checks) on a skeleton: nothing of the model or of
-    any shard is touched. KeyError / ValueError say what does not map; nothing is loaded then."""
-    skeleton = _skeleton(model)
+    (its load pre-hooks, strict key and shape checks) on a skeleton (`full_shape`: as
+    `_skeleton` takes it): nothing of the model or of any shard is touched. KeyError /
+    ValueError say what does not map; nothing is loaded then."""
+    skeleton = _skeleton(model, full_shape)
     try:
         skeleton.load_state_dict(dict(state_dict), strict=True, assign=True)
     except RuntimeError as err:
@@ -146,10 +151,11 @@ def _table_of(module: nn.Module, key: str) -> tuple[dict, str]:
     return (owner._parameters if leaf in owner._parameters else owner._buffers), leaf
 
 
-def _skeleton_holding(model: nn.Module, native: Mapping[str, torch.Tensor]) -> nn.Module:
+def _skeleton_holding(model: nn.Module, native: Mapping[str, torch.Tensor],
+                      full_shape=None) -> nn.Module:
     """A skeleton of `model` whose tensors under the native keys of `native` are those (no
     copy; state_dict reads these tables, and plain tensors are fine there); the rest meta."""
-    skeleton = _skeleton(model)
+    skeleton = _skeleton(model, full_shape)
     for key, tensor in native.items():
         table, leaf = _table_of(skeleton, key)
         table[leaf] = tensor
