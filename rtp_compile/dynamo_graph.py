@@ -28,7 +28,7 @@ class Lifted:
     a tied parameter passed twice reads one); `buffers`: name -> index; `inputs`: indices of the
     user's tensors, in the lifted module's argument order; `standins`: name -> the stand-in
     parameter installed there."""
-    gm: fx.GraphModule
+    gm: fx.GraphModule | None = None
     params: dict[str, int] = field(default_factory=dict)
     buffers: dict[str, int] = field(default_factory=dict)
     inputs: list[int] = field(default_factory=list)
@@ -77,7 +77,7 @@ def lift(gm: fx.GraphModule, example_inputs, full_shape) -> Lifted:
     its parameter's), None for any other tensor."""
     graph = fx.Graph()
     root = nn.Module()
-    lifted = Lifted(fx.GraphModule(root, graph))
+    lifted = Lifted()
     env: dict[fx.Node, fx.Node] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     by_id: dict[int, str] = {}

@@ -58,13 +58,15 @@ class Sharded:
                          self.layout.slot(self.rank))
 
 
-_of_full: dict[int, Sharded] = {}     # id(full parameter) -> its shard
-_of_shard: dict[int, Sharded] = {}    # id(shard parameter) -> itself (rtp_compile.shard's too)
+_of_full: dict[int, Sharded] = {}     # id(full parameter) -> its shard, while the full one lives
+# id(shard parameter) -> its entry, while something else holds the entry (a full parameter's
+# row above, or the module `rtp_compile.shard` made read it)
+_of_shard: "weakref.WeakValueDictionary[int, Sharded]" = weakref.WeakValueDictionary()
 _released: set[int] = set()           # ids of full parameters whose storage is gone
 
 
-def _forget(key: int, table: dict) -> None:
-    table.pop(key, None)
+def _forget(key: int) -> None:
+    _of_full.pop(key, None)
     _released.discard(key)
 
 
@@ -72,14 +74,12 @@ def register_full(full: torch.Tensor, entry: Sharded) -> None:
     """`full` (a user's parameter) is trained as `entry.shard` from now on."""
     _of_full[id(full)] = entry
     register_shard(entry)
-    weakref.finalize(full, _forget, id(full), _of_full)
+    weakref.finalize(full, _forget, id(full))
 
 
 def register_shard(entry: Sharded) -> None:
-    """`entry.shard` is a shard (what `sharded(shard)` finds)."""
-    if id(entry.shard) not in _of_shard:
-        _of_shard[id(entry.shard)] = entry
-        weakref.finalize(entry.shard, _forget, id(entry.shard), _of_shard)
+    """`entry.shard` is a shard (what `sharded(shard)` finds, while the entry is held)."""
+    _of_shard.setdefault(id(entry.shard), entry)
 
 
 def shard_of(full: torch.Tensor) -> Sharded | None:
@@ -127,11 +127,13 @@ def _owners(param: torch.Tensor) -> list[tuple[nn.Module, str]]:
     """(module, name) of every module holding `param` in its `_parameters` (found once, when
     it is released: the compiled graph knows the parameter, not the modules)."""
     found = []
-    for table in gc.get_referrers(param):
-        if not isinstance(table, dict):
+    tables = [t for t in gc.get_referrers(param) if isinstance(t, dict)]
+    for attrs in (a for t in tables for a in gc.get_referrers(t) if isinstance(a, dict)):
+        table = attrs.get("_parameters")
+        if not any(table is t for t in tables):
             continue
-        for module in gc.get_referrers(table):
-            if isinstance(module, nn.Module) and module.__dict__.get("_parameters") is table:
+        for module in gc.get_referrers(attrs):  # the module whose __dict__ that is
+            if isinstance(module, nn.Module) and module.__dict__ is attrs:
                 found += [(module, name) for name, p in table.items() if p is param]
     return found
 
@@ -182,7 +184,22 @@ def swap_released_for_shards(optimizer: torch.optim.Optimizer, args, kwargs) -> 
     """Optimizer step pre-hook (global): each full parameter a compiled graph trains as a shard
     is replaced in `param_groups` by that shard, so an optimizer built before compiling steps
     the shards. An optimizer that already holds state for a full parameter (it stepped it
-    before) is refused: that state has the full shape and no shard to go with."""
+    before) is refused: that state has the full shape and no shard to go with. So is one whose
+    parameters are partly sharded while another has a gradient of its own: that parameter
+    ran outside every compiled graph (dynamo ran its frame eagerly), with a gradient of this
+    rank's batch only."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(id(p) in _of_full for p in params):
+        eager = [p for p in params if p.grad is not None and id(p) not in _of_full
+                 and id(p) not in _of_shard]
+        if eager:
+            raise RuntimeError(
+                f"rtp_compile: {len(eager)} parameter(s) of shape(s) "
+                f"{[tuple(p.shape) for p in eager[:4]]} got a gradient outside the graphs "
+                f"compiled with backend='rtp' (dynamo ran their code eagerly, e.g. a frame it "
+                f"skipped after a graph break in a loop), so they hold this rank's gradient "
+                f"alone. Shard the model first (rtp_compile.shard(model, world_size)): its "
+                f"weights are then gathered wherever they run.")
     for group in optimizer.param_groups:
         params = group["params"]
         for i, p in enumerate(params):
