@@ -54,16 +54,18 @@ class RTPBackend:
         group_name = "" if self.group is None or self.group == dist.group.WORLD \
             else self.group.group_name
         lifted = lift(_unshards_removed(gm), example_inputs, _full_shape)
-        params = {name: example_inputs[i] for name, i in lifted.params.items()}
-        fixed = [(name, e.layout.dim, e.layout.granule) for name, p in params.items()
-                 if (e := registry.entry_of(p)) is not None]
+        fixed = [(name, e.layout.dim, e.layout.granule) for name, i in lifted.params.items()
+                 if (e := registry.entry_of(example_inputs[i])) is not None]
         user = tuple(example_inputs[i] for i in lifted.inputs)
         with torch._guards.tracing(None):  # export must not reuse dynamo's fake mode
             prog = transform(lifted.gm, world_size, example_inputs=user, fixed_layouts=fixed,
                              **self.transform_opts)
         self.programs.append(prog)
-        shards = {name: _shard_for(p, prog.plan.params[name], rank, group_name).shard.detach()
-                  for name, p in params.items()}
+        # the rank module holds placeholders: every call binds the shards of the parameters
+        # it is passed (and a graph dynamo keeps cached keeps no shard alive)
+        shards = {name: torch.zeros((), dtype=lay.dtype, device=prog.ctx.params[name].device)
+                  .expand(lay.shard_shape)
+                  for name, lay in prog.plan.params.items()}
         rank_gm = RankEmitter(prog.ctx, prog.graph_module, rank, group_name,
                               shards=shards).emit()
         return BoundRankProgram(self.rank_compiler(rank_gm, list(user)), rank_gm, lifted,

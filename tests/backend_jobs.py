@@ -114,26 +114,24 @@ def train_compiled_next_to_ddp(model, call, logits, tokens, rank, seed, contract
             if contract == "a" else None}, opt, compiled
 
 
-def compiled_parity(rank: int, world_size: int, names: list, contracts: list,
-                    seed: int) -> dict:
-    """train_compiled_next_to_ddp for each model and contract, in float64."""
+def compiled_parity(rank: int, world_size: int, cases: list, seed: int) -> dict:
+    """train_compiled_next_to_ddp for each (model, contract) of `cases`, in float64."""
     torch.set_default_dtype(torch.float64)
     zoo, tokens = models()
     results = {}
-    for name in names:
+    for name, contract in cases:
         factory, call, logits = zoo[name]
-        for contract in contracts:
-            torch.manual_seed(seed)
-            model = factory().to(torch.float64)
-            torch._dynamo.reset()
-            backend = rtp_compile.backend()
-            result, opt, compiled = train_compiled_next_to_ddp(model, call, logits, tokens, rank,
-                                                               seed, contract, backend)
-            # with gradients, the reference runs gone
-            loss_of(logits(call(compiled, tokens(rank, seed))), seed).backward()
-            result["held"] = held_fraction(model, opt)
-            results[(name, contract)] = result
-            del model, opt, compiled
+        torch.manual_seed(seed)
+        model = factory().to(torch.float64)
+        torch._dynamo.reset()
+        backend = rtp_compile.backend()
+        result, opt, compiled = train_compiled_next_to_ddp(model, call, logits, tokens, rank,
+                                                           seed, contract, backend)
+        # with gradients, the reference runs gone
+        loss_of(logits(call(compiled, tokens(rank, seed))), seed).backward()
+        result["held"] = held_fraction(model, opt)
+        results[(name, contract)] = result
+        del model, opt, compiled
     return results
 
 

@@ -41,19 +41,22 @@ def _check_parity(results, world_size):
 
 @pytest.mark.timeout(300)
 def test_models_train_like_ddp_both_contracts(seed):
-    """TinyGPT (plain compile after the optimizer) and GPT-2 with its tied head (sharded
-    first) at N = 2: outputs equal the eager model's, losses, gradients and parameters after
+    """TinyGPT (plain compile after the optimizer: contract b) and GPT-2 with its tied head
+    (sharded first: contract a) at N = 2: outputs equal the eager model's, losses, gradients and parameters after
     three AdamW steps DDP's; one graph each, never recompiled; about 1/2 of the state held."""
-    results = rtp_compile.launch(compiled_parity, 2,
-                                 args=(["tinygpt", "gpt2"], ["b", "a"], seed), timeout=240)
-    assert set(results[0]) == {(m, c) for m in ("tinygpt", "gpt2") for c in "ba"}
+    cases = [("tinygpt", "b"), ("gpt2", "a")]
+    results = rtp_compile.launch(compiled_parity, 2, args=(cases, seed), timeout=240)
+    assert list(results[0]) == cases
     _check_parity(results, 2)
 
 
 @pytest.mark.timeout(300)
-def test_llama_at_three_ranks(seed):
-    """Llama (GQA attention, SwiGLU) at N = 3, plain compile: parity with DDP, 1/3 held."""
-    results = rtp_compile.launch(compiled_parity, 3, args=(["llama"], ["b"], seed), timeout=240)
+def test_three_ranks(seed):
+    """Llama (GQA attention, SwiGLU; plain compile) and TinyGPT (sharded first) at N = 3:
+    parity with DDP, about 1/3 held."""
+    cases = [("llama", "b"), ("tinygpt", "a")]
+    results = rtp_compile.launch(compiled_parity, 3, args=(cases, seed), timeout=240)
+    assert list(results[0]) == cases
     _check_parity(results, 3)
 
 

@@ -72,7 +72,7 @@ class GradTransaction:
             if old is not None:
                 p.grad = old if p.grad is None else old.add_(p.grad)
         self.set_aside = None
-
+        self.params = []  # nothing left to roll back; keep no shard alive through this module
     def roll_back(self) -> None:
         if self.replicas is not None:
             self.replicas.abandon()
