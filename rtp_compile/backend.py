@@ -98,7 +98,6 @@ def _full_shape(tensor: torch.Tensor) -> tuple[int, ...] | None:
 def _unshards_removed(gm: fx.GraphModule) -> fx.GraphModule:
     """`rtp_compile.shard`'s model reads each weight as `unshard(shard)`: the program reads the
     shard itself (a placeholder that `lift` knows by identity, with its full shape)."""
-    # placeholder examples are bound by the caller; the node reads its full-shaped input
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and is_unshard(node.target):
             node.replace_all_uses_with(node.args[0])

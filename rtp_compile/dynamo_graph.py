@@ -35,21 +35,22 @@ class Lifted:
     standins: dict[str, nn.Parameter] = field(default_factory=dict)
 
 
+def _source_text(node: fx.Node) -> str:
+    """Dynamo's source of a placeholder as text (`L['self']._modules['fc1']._parameters[...]`)."""
+    source = getattr(node, "_dynamo_source", None)
+    text = source.name if source is not None else ""
+    return text() if callable(text) else text
+
+
 def source_name(node: fx.Node) -> str:
     """A dotted name from dynamo's source of a placeholder (module path and attribute), else
     the placeholder's own name."""
-    source = getattr(node, "_dynamo_source", None)
-    text = source.name if source is not None else ""
-    text = text() if callable(text) else text
-    parts = re.findall(r"\.(?:_modules|_parameters|_buffers)\['([^']+)'\]", text)
+    parts = re.findall(r"\.(?:_modules|_parameters|_buffers)\['([^']+)'\]", _source_text(node))
     return ".".join(parts) if parts else node.name
 
 
 def _is_buffer(node: fx.Node) -> bool:
-    source = getattr(node, "_dynamo_source", None)
-    text = source.name if source is not None else ""
-    text = text() if callable(text) else text
-    return "._buffers[" in text
+    return "._buffers[" in _source_text(node)
 
 
 def standin(param: torch.Tensor, shape) -> nn.Parameter:

@@ -82,11 +82,6 @@ def register_shard(entry: Sharded) -> None:
     _of_shard.setdefault(id(entry.shard), entry)
 
 
-def shard_of(full: torch.Tensor) -> Sharded | None:
-    """The shard a full parameter handed to a compiled graph is trained as, if any."""
-    return _of_full.get(id(full))
-
-
 def sharded(shard: torch.Tensor) -> Sharded | None:
     """The entry of a shard parameter, if `shard` is one."""
     return _of_shard.get(id(shard))

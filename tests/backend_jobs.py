@@ -108,6 +108,23 @@ def train_compiled_next_to_ddp(model, call, logits, tokens, rank, seed, contract
         errors["param"] = max(errors["param"], max(
             rel_err(full[k], v, LR) for k, v in ddp.module.state_dict().items()))
         graphs.append(len(backend.programs))
+    if contract == "a":  # run uncompiled, the sharded model gathers each weight it reads
+        x = tokens(rank, seed + STEPS)
+        out, ddp_out = logits(call(model, x)), logits(call(ddp, x))
+        errors["eager"] = rel_err(out, ddp_out)
+        loss_of(out, seed).backward()
+        loss_of(ddp_out, seed).backward()
+        ddp_grads = {n: p.grad for n, p in ddp.module.named_parameters()}
+        errors["eager_grad"] = max(rel_err(g, ddp_grads[n], 1e-6) for n, g in
+                                   full_grads(model).items())
+        errors["clip"] = rel_err(rtp_compile.clip_grad_norm_(model, 0.05),
+                                 torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05))
+        opt.zero_grad()
+        with torch.no_grad():  # a state to load that differs from the model's
+            target = {k: v + 0.5 for k, v in ddp.module.state_dict().items()}
+        rtp_compile.load_full_state_dict(model, target)
+        loaded = rtp_compile.full_state_dict(model)
+        errors["load"] = max((loaded[k] - v).abs().max().item() for k, v in target.items())
     return {**errors, "graphs": graphs,
             "sharded": all(shard_registry.entry_of(p) is not None for p in model.parameters()),
             "keys": list(rtp_compile.full_state_dict(model)) == list(model.state_dict().keys())

@@ -18,10 +18,6 @@ import torch.distributed as dist
 from rtp_compile.runtime.ring import resolve_group
 
 
-def _cut_dim(shape, dim: int) -> int:
-    return 0 if dim < 0 else dim
-
-
 def _gathered(shard: torch.Tensor, group_name: str) -> list[torch.Tensor]:
     if not dist.is_initialized():
         return [shard]
@@ -34,7 +30,7 @@ def _gathered(shard: torch.Tensor, group_name: str) -> list[torch.Tensor]:
 @torch.library.custom_op("rtp::unshard", mutates_args=())
 def unshard(shard: torch.Tensor, shape: list[int], dim: int, group_name: str,
             grad_scale: float) -> torch.Tensor:
-    d = _cut_dim(shape, dim)
+    d = max(dim, 0)  # -1: the flattened parameter, cut along its only dim
     full = torch.cat(_gathered(shard, group_name), d)
     full = full.narrow(d, 0, shape[d] if dim >= 0 else math.prod(shape))
     return full.reshape(shape).contiguous()
@@ -48,7 +44,7 @@ def _(shard, shape, dim, group_name, grad_scale):
 def _backward(ctx, grad: torch.Tensor):
     """The full gradient summed over the ranks, this rank's shard of it (zero padding)."""
     shard_shape, dim, group_name, scale = ctx.shard_shape, ctx.dim, ctx.group_name, ctx.scale
-    d = _cut_dim(shard_shape, dim)
+    d = max(dim, 0)
     flat = grad.reshape(-1) if dim < 0 else grad
     n = dist.get_world_size(resolve_group(group_name)) if dist.is_initialized() else 1
     length = shard_shape[d]
@@ -70,6 +66,5 @@ unshard.register_autograd(_backward, setup_context=_setup)
 
 
 def is_unshard(target) -> bool:
-    """Whether an fx node's target is this op (as dynamo records it)."""
-    return target is torch.ops.rtp.unshard.default or target is unshard or \
-        target is torch.ops.rtp.unshard
+    """Whether an fx node's target is this op (dynamo records its default overload)."""
+    return target is torch.ops.rtp.unshard.default
