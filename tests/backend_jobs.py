@@ -207,7 +207,8 @@ def graph_breaks(rank: int, world_size: int, contract: str, seed: int) -> dict:
         rtp_compile.shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
-    backend = rtp_compile.backend()
+    rank_modules = []  # what the rank compiler is handed: each emitted rank module, once
+    backend = rtp_compile.backend(rank_compiler=lambda gm, example: rank_modules.append(gm) or gm)
     compiled = torch.compile(model, backend=backend)
     counters = torch._dynamo.utils.counters
     out = {"loss": 0.0, "param": 0.0, "norm": 0.0, "graphs": [], "frames": []}
@@ -234,6 +235,7 @@ def graph_breaks(rank: int, world_size: int, contract: str, seed: int) -> dict:
         x = torch.randint(0, 23, (4, 5))
         out["eval"] = rel_err(compiled(x), ddp.module(x))
     out["graphs"].append(len(backend.programs))
+    out["rank_modules"] = len(rank_modules)
     shards = {id(shard_registry.entry_of(p).shard) for p in model.parameters()}
     out["one_shard_each"] = len(shards) == len(list(model.parameters()))
     out["tied_layout"] = shard_registry.entry_of(model.emb._parameters["weight"]).layout.dim

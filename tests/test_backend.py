@@ -84,6 +84,7 @@ def test_graph_breaks_batch_sizes_and_no_grad(seed):
         assert graphs[0] == graphs[1] == graphs[2] and graphs[3] == graphs[4] == graphs[5] \
             and graphs[3] > graphs[2] and graphs[6] > graphs[5], graphs
         assert r["frames"][0] == r["frames"][2] and r["frames"][3] == r["frames"][5], r["frames"]
+        assert r["rank_modules"] == graphs[6]   # each went through the rank_compiler seam
         assert r["one_shard_each"] and r["tied_layout"] == 1, r["plans"]
         assert r["released"]
         for what, message in r["errors"].items():
