@@ -49,24 +49,19 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def held_fraction(model: nn.Module, optimizer) -> float:
-    """Bytes of every CPU tensor alive in this process (found through gc, with every tensor's
-    .grad, by storage), optimizer state excluded, over the bytes the full parameters and
-    their gradients would take."""
+def held_fraction(model: nn.Module) -> float:
+    """Bytes of every parameter alive in this process (found through gc: full, shard or any
+    other) and of every gradient any tensor holds, by storage, over the bytes the model's full
+    parameters and their gradients take."""
     gc.collect()
     from torch._subclasses.fake_tensor import FakeTensor
-    state = {t.untyped_storage().data_ptr() for s in optimizer.state.values()
-             for t in s.values() if isinstance(t, torch.Tensor)}
     storages = {}
     for obj in gc.get_objects():
         if not isinstance(obj, torch.Tensor) or isinstance(obj, FakeTensor) or obj.is_meta:
             continue
-        for t in (obj, obj.grad):
-            if t is None or isinstance(t, FakeTensor):
-                continue
-            s = t.untyped_storage()
-            if s.data_ptr() not in state and s.nbytes():
-                storages[s.data_ptr()] = s.nbytes()
+        for t in (obj if isinstance(obj, nn.Parameter) else None, obj.grad):
+            if t is not None and not isinstance(t, FakeTensor) and t.untyped_storage().nbytes():
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     full = sum(2 * math.prod(shard_registry.entry_of(p).layout.shape) * p.element_size()
                for p in model.parameters())
     return sum(storages.values()) / full
@@ -146,7 +141,7 @@ def compiled_parity(rank: int, world_size: int, cases: list, seed: int) -> dict:
                                                            seed, contract, backend)
         # with gradients, the reference runs gone
         loss_of(logits(call(compiled, tokens(rank, seed))), seed).backward()
-        result["held"] = held_fraction(model, opt)
+        result["held"] = held_fraction(model)
         results[(name, contract)] = result
         del model, opt, compiled
     return results

@@ -32,7 +32,7 @@ def _check_parity(results, world_size):
             assert r["sharded"], f"{where}: a parameter has no shard (the backend did not run)"
             assert r["graphs"] == [r["graphs"][0]] * len(r["graphs"]) and r["graphs"][0] >= 1, \
                 f"{where}: graphs compiled per step {r['graphs']} (recompiled on equal shapes)"
-            # shards and their gradients, padding and a few small tensors (inputs, buffers)
+            # every live parameter and gradient: the shards (with their padding) and theirs
             assert 0.8 / world_size <= r["held"] <= 1.25 / world_size, \
                 f"{where}: holds {r['held']:.3f} of the full parameters and gradients"
             if contract == "a":
