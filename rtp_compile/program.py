@@ -21,7 +21,7 @@ from rtp_compile.passes.context import Context
 from rtp_compile.passes.plan import Plan
 from rtp_compile.passes.retarget_meta import retarget_meta
 from rtp_compile.rank_tensors import rank_tensors
-from rtp_compile.runtime.ring import resolve_group
+from rtp_compile.runtime import ring
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -253,7 +253,7 @@ class RTPProgram:
         if self.world_size == 1:
             return [shard.clone()]
         out = [torch.empty_like(shard) for _ in range(self.world_size)]
-        dist.all_gather(out, shard.contiguous(), group=resolve_group(group_name))
+        ring.all_gather(out, shard.contiguous(), group_name)
         return out
 
     def load_full_state_dict(self, gm: nn.Module, state_dict) -> None:
