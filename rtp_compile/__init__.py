@@ -8,10 +8,10 @@ from rtp_compile.materialize import materialize_full
 from rtp_compile.program import RTPProgram
 from rtp_compile.runtime.launch import RankError, launch
 from rtp_compile.timeline import timeline  # the function: rtp_compile.timeline(traces, path)
-from rtp_compile.traces import record_traces
+from rtp_compile.traces import record_runs, record_traces
 
 __all__ = ["transform", "launch", "RTPProgram", "CaptureError", "RankError", "materialize_full",
-           "clip_grad_norm_", "timeline", "record_traces"]
+           "clip_grad_norm_", "timeline", "record_traces", "record_runs"]
 
 
 def __getattr__(name: str):

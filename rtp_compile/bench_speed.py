@@ -205,7 +205,7 @@ def run(world_sizes=(2, 4), preset: str = "gpt-small", rounds: int = 3, steps: i
     rows = []
     for n in world_sizes:
         ranks = launch(measure, n, args=(setup,), timeout=1800,
-                       env={"KINETO_LOG_LEVEL": "5"})  # the profiler's start/stop lines
+                       env={"KINETO_LOG_LEVEL": "6"})  # no profiler start/stop lines
         for kind in KINDS:
             per_rank = [r[kind] for r in ranks]
             step_s = statistics.median(per_rank[0]["all"])

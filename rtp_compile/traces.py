@@ -45,23 +45,36 @@ def record_traces(make_step, world_size: int, out_dir, args=(), warmup: int = 1,
     `out_dir/rank<r>.json`, and `out_dir/ranks.json` holds them all in one trace (one process
     per rank, on the host's one clock: Perfetto shows the ring). Returns the per-rank paths,
     in rank order."""
+    return record_runs(make_step, world_size, out_dir, {"": tuple(args)}, warmup, timeout)[""]
+
+
+def record_runs(make_step, world_size: int, out_dir, runs: dict[str, tuple], warmup: int = 1,
+                timeout: float = 300.0) -> dict[str, list[pathlib.Path]]:
+    """`record_traces` for several steps in one job (one start of the ranks): for each
+    `name, args` of `runs`, in order, the step `make_step(rank, world_size, *args)` recorded
+    into `out_dir/name`. Returns each name's per-rank paths."""
     out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [pathlib.Path(p) for p in launch(
-        _record_rank, world_size, args=(make_step, str(out), warmup, tuple(args)),
-        timeout=timeout, env={"KINETO_LOG_LEVEL": "5"})]  # the profiler's start/stop lines
-    merge_traces(paths, out / "ranks.json")
+    for name in runs:
+        (out / name).mkdir(parents=True, exist_ok=True)
+    paths = launch(_record_rank, world_size, args=(make_step, str(out), warmup, runs),
+                   timeout=timeout, env={"KINETO_LOG_LEVEL": "6"})  # no profiler start/stop lines
+    traces = {name: [pathlib.Path(p[name]) for p in paths] for name in runs}
+    for name, ranks in traces.items():
+        merge_traces(ranks, out / name / "ranks.json")
+    return traces
+
+
+def _record_rank(rank: int, world_size: int, make_step, out: str, warmup: int,
+                 runs: dict[str, tuple]) -> dict[str, str]:
+    paths = {}
+    for name, args in runs.items():
+        step = make_step(rank, world_size, *args)
+        for _ in range(warmup):
+            step()
+        dist.barrier()  # every rank starts its profiled step together
+        paths[name] = str(pathlib.Path(out) / name / f"rank{rank}.json")
+        profile_step(step, paths[name])
     return paths
-
-
-def _record_rank(rank: int, world_size: int, make_step, out: str, warmup: int, args) -> str:
-    step = make_step(rank, world_size, *args)
-    for _ in range(warmup):
-        step()
-    dist.barrier()  # every rank starts its profiled step together
-    path = pathlib.Path(out) / f"rank{rank}.json"
-    profile_step(step, path)
-    return str(path)
 
 
 def merge_traces(paths, out) -> pathlib.Path:
