@@ -84,7 +84,7 @@ def head_parallel(model: TinyGPT, mesh) -> TinyGPT:
     return model
 
 
-def _prepare(kind: str, rank: int, world_size: int, config: GPTConfig, device):
+def prepare(kind: str, rank: int, world_size: int, config: GPTConfig, device):
     """A fresh model (the same initial weights on every rank) prepared as `kind`."""
     torch.manual_seed(0)
     model = TinyGPT(config).to(device)
@@ -136,7 +136,7 @@ def measure(rank: int, world_size: int, setup: Setup) -> dict:
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     cfg = setup.config
-    models = {k: _prepare(k, rank, world_size, cfg, device) for k in KINDS}
+    models = {k: prepare(k, rank, world_size, cfg, device) for k in KINDS}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     gens = {k: torch.Generator().manual_seed(0 if k == "tp" else rank + 1) for k in KINDS}
 
