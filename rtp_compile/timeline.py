@@ -41,21 +41,11 @@ class RankTimeline:
     def step_s(self) -> float:
         return (self.window[1] - self.window[0]) * 1e-6
 
-    @property
-    def compute_s(self) -> float:
-        return _length(self.compute) * 1e-6
-
-    @property
-    def send_s(self) -> float:
-        return _length(self.send) * 1e-6
-
-    @property
-    def wait_s(self) -> float:
-        return _length(self.wait) * 1e-6
-
-    @property
-    def flight_s(self) -> float:
-        return _length(self.flight) * 1e-6
+    compute_s = property(lambda self: _length(self.compute) * 1e-6, doc="seconds computing")
+    send_s = property(lambda self: _length(self.send) * 1e-6, doc="seconds in rtp.send")
+    wait_s = property(lambda self: _length(self.wait) * 1e-6, doc="seconds in rtp.wait")
+    flight_s = property(lambda self: _length(self.flight) * 1e-6,
+                        doc="seconds with a hop in flight")
 
     @property
     def overlap(self) -> float:
