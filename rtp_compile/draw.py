@@ -228,14 +228,18 @@ def matplotlib_figure():
 
 
 def layout(graph: nx.DiGraph) -> dict[str, tuple[float, float]]:
-    """Where each box goes, in inches: graphviz's dot when installed; else networkx's layers
-    (each box one topological generation below what it depends on, boxes of one generation
-    side by side in program order, each row as tall as its tallest box), with the hops in
-    lanes right of the compute (`_hop_lanes`)."""
+    """Where each box goes, in inches: graphviz's dot when installed, else `layered`."""
     if shutil.which("dot") and _has("pydot"):
         numbered = nx.convert_node_labels_to_integers(graph, label_attribute="key")
         placed = nx.nx_pydot.graphviz_layout(numbered, prog="dot")  # points
         return {numbered.nodes[i]["key"]: (x / 72, y / 72) for i, (x, y) in placed.items()}
+    return layered(graph)
+
+
+def layered(graph: nx.DiGraph) -> dict[str, tuple[float, float]]:
+    """networkx's layers, in inches: each box one topological generation below what it
+    depends on, boxes of one generation side by side in program order, each row as tall as
+    its tallest box; the hops in lanes right of the compute (`_hop_lanes`)."""
     rows = [sorted(keys, key=lambda k: graph.nodes[k]["box"].order)
             for keys in nx.topological_generations(graph)]
     lanes = _hop_lanes(graph, {k: i for i, keys in enumerate(rows) for k in keys})

@@ -1,7 +1,10 @@
 """Looking at programs and runs: `prog.draw` writes a readable SVG/PNG of a rank's schedule,
 `rtp_compile.timeline` plots a real profiled 2-rank step, `rtp-compile inspect --draw` draws
 from the command line, and the pass log reads as a table."""
+import importlib.util
 import json
+import shutil
+import sys
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -9,7 +12,7 @@ import torch
 
 import rtp_compile
 from rtp_compile.cli import main
-from rtp_compile.draw import _palette, schedule_graph
+from rtp_compile.draw import _palette, layered, schedule_graph
 from rtp_compile.models import GPTConfig, TinyGPT
 from rtp_compile.passes.pipeline import pass_table
 from rtp_compile.traces import STEP, lm_step
@@ -135,3 +138,28 @@ def test_inspect_refuses_a_drawing_format_before_compiling(tmp_path, capsys):
         main(["inspect", "rtp_compile.models:TinyGPT", "--world-size", "2",
               "--draw", str(tmp_path / "x.gif")])
     assert exit_.value.code == 2 and ".svg, .png, .pdf" in capsys.readouterr().err
+
+
+def test_each_hop_runs_down_its_own_lane_beside_the_compute(prog):
+    graph = schedule_graph(prog.module(1), 2, 1, prog.ctx.buckets)
+    pos = layered(graph)
+    boxes = {k: d["box"] for k, d in graph.nodes(data=True)}
+    lanes_from = max(x for k, (x, _) in pos.items() if boxes[k].kind not in ("send", "wait"))
+    for send, wait, kind in graph.edges(data="kind"):
+        if kind == "hop":
+            assert pos[send][0] == pos[wait][0] > lanes_from  # one lane, right of the compute
+            assert pos[send][1] > pos[wait][1]                # the send above its wait
+    ys = sorted(y for _, y in pos.values())
+    assert all(b - a > 0.3 for a, b in zip(ys, ys[1:]) if a != b)  # rows never overlap
+
+
+@pytest.mark.skipif(not (shutil.which("dot") and importlib.util.find_spec("pydot")),
+                    reason="graphviz (the dot binary and pydot) is not installed")
+def test_draw_lays_out_with_graphviz_when_installed(prog, tmp_path):
+    assert ET.parse(prog.draw(0, tmp_path / "dot.svg")).getroot().tag.endswith("svg")
+
+
+def test_drawing_without_matplotlib_says_how_to_get_it(prog, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if not installed
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        prog.draw(0, tmp_path / "rank0.svg")
