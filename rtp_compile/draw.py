@@ -71,7 +71,7 @@ def schedule_graph(gm: fx.GraphModule, world_size: int, rank: int,
             if source != key:
                 hop = graph.nodes[source]["box"].kind == "send" and key == _wait_of(source)
                 graph.add_edge(source, key, kind="hop" if hop else "data")
-    _order_hops(graph)
+    _add_order_edges(graph)
     return graph
 
 
@@ -156,7 +156,7 @@ def _sources(node: fx.Node, box_of) -> set[str]:
     return found
 
 
-def _order_hops(graph: nx.DiGraph) -> None:
+def _add_order_edges(graph: nx.DiGraph) -> None:
     """Order edges: each send after the box before it in the program and before the compute
     that follows it, each wait after the compute before it (so the drawing shows what a hop
     flies over); any other box that reads nothing drawn (a gather of its own shards) after
