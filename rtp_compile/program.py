@@ -159,6 +159,13 @@ class RTPProgram:
         return rank, group, {"replica": mesh.get_local_rank(0), "replicas": mesh.size(0),
                              "replica_group_name": mesh.get_group(0).group_name}
 
+    def draw(self, rank: int, path):
+        """Draw `rank`'s module as its forward schedule to `path` (.svg, .png or .pdf): each
+        unit's steps coloured by unit (or bucket), each ring hop from its send to its wait,
+        gathered ops marked (`rtp_compile.draw`; needs matplotlib). Returns the path."""
+        from rtp_compile.draw import draw  # matplotlib is imported only to draw
+        return draw(self, rank, path)
+
     def report(self) -> str:
         """Every weight-bearing op: rotated (rule, mode, dims) or gathered (why), bytes per rank."""
         lines = [f"rtp_compile program for {self.world_size} ranks"]
