@@ -1,7 +1,7 @@
 """rtp_compile: compile a PyTorch model into per-rank programs that train with Rotated Tensor
-Parallelism. The public surface is `transform`, `launch`, `RTPProgram`, `clip_grad_norm_`, and
-for torch.compile `backend` (also `backend="rtp"`), `shard`, `full_state_dict` and
-`load_full_state_dict` (see docs/API)."""
+Parallelism. The public surface is `transform`, `launch`, `RTPProgram`, `clip_grad_norm_`;
+for looking at a run `record_traces` and `timeline`; for torch.compile `backend` (also
+`backend="rtp"`), `shard`, `full_state_dict` and `load_full_state_dict` (see docs/API)."""
 from rtp_compile.backend import backend, register_rtp_backend
 from rtp_compile.capture import CaptureError
 from rtp_compile.clip import clip_grad_norm_
@@ -10,9 +10,12 @@ from rtp_compile.materialize import materialize_full
 from rtp_compile.program import RTPProgram
 from rtp_compile.runtime.launch import RankError, launch
 from rtp_compile.sharded_model import full_state_dict, load_full_state_dict, shard
+from rtp_compile.timeline import timeline  # the function: rtp_compile.timeline(traces, path)
+from rtp_compile.traces import record_runs, record_traces
 
 __all__ = ["transform", "launch", "RTPProgram", "CaptureError", "RankError", "materialize_full",
-           "clip_grad_norm_", "backend", "shard", "full_state_dict", "load_full_state_dict"]
+           "clip_grad_norm_", "timeline", "record_traces", "record_runs", "backend", "shard",
+           "full_state_dict", "load_full_state_dict"]
 
 register_rtp_backend()
 

@@ -10,14 +10,13 @@ norms, so every rank gets the same total and scales its shards by the same facto
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from rtp_compile import shard_registry
 from rtp_compile.codegen import job_of
 from rtp_compile.layout import real_part
 from rtp_compile.program import program_of
-from rtp_compile.runtime.ring import JobCheck, resolve_group
+from rtp_compile.runtime import ring
 
 
 def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
@@ -48,7 +47,7 @@ def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
     if not norm_type > 0:
         raise ValueError(f"rtp_compile.clip_grad_norm_: norm_type must be > 0 or inf, got "
                          f"{norm_type}")
-    if isinstance(getattr(gm, "rtp_job", None), JobCheck):
+    if isinstance(getattr(gm, "rtp_job", None), ring.JobCheck):
         job, layouts = job_of(gm), program_of(gm).plan.params
         params = [p for p in gm.parameters() if p.grad is not None]
         parts = [_real_grad(p.grad, layouts[name], job.rank)
@@ -60,7 +59,7 @@ def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
                                           foreach=foreach)
     if world_size > 1:
         norms = [torch.empty_like(local) for _ in range(world_size)]
-        dist.all_gather(norms, local, group=resolve_group(group_name))
+        ring.all_gather(norms, local, group_name)
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     else:
         total = local

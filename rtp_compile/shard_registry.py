@@ -17,11 +17,10 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from rtp_compile.layout import ParamLayout, real_part
-from rtp_compile.runtime.ring import resolve_group
+from rtp_compile.runtime import ring
 
 
 @dataclass
@@ -45,7 +44,7 @@ class Sharded:
         if self.layout.world_size == 1:
             return self.layout.unshard([shard.clone()])
         shards = [torch.empty_like(shard) for _ in range(self.layout.world_size)]
-        dist.all_gather(shards, shard, group=resolve_group(self.group_name))
+        ring.all_gather(shards, shard, self.group_name)
         return self.layout.unshard(shards)
 
     def real_grad(self) -> torch.Tensor | None:
