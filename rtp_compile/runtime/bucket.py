@@ -23,7 +23,7 @@ from rtp_compile.layout import real_part
 from rtp_compile.runtime import ring, transaction
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
 from rtp_compile.runtime.precision import Precision
-from rtp_compile.runtime.registry import Keyed, effectful, lookup
+from rtp_compile.runtime.registry import Keyed, graph_op, lookup
 
 
 class BucketState:
@@ -119,7 +119,7 @@ class _BucketParams(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, key, *own):
-        ticket = torch.ops.rtp.bucket_forward(key, list(own))
+        ticket = bucket_forward(key, list(own))
         ctx.key = key
         ctx.save_for_backward(ticket)
         ctx.set_materialize_grads(False)
@@ -129,7 +129,7 @@ class _BucketParams(torch.autograd.Function):
     def backward(ctx, *grads):
         (ticket,) = ctx.saved_tensors
         d_ticket = grads[-1] if grads[-1] is not None else torch.zeros_like(ticket)
-        shards = torch.ops.rtp.bucket_reduce_scatter(ctx.key, ticket, d_ticket)
+        shards = bucket_reduce_scatter(ctx.key, ticket, d_ticket)
         return (None, *[g if need else None for g, need in zip(shards,
                                                                ctx.needs_input_grad[1:])])
 
@@ -208,18 +208,18 @@ class BucketRuntime(Keyed):
         return _BucketParams.apply(self.rtp_key, *own)
 
 
-@torch.library.custom_op("rtp::bucket_forward", mutates_args=())
+@graph_op("bucket_forward")
 def bucket_forward(key: str, own: list[torch.Tensor]) -> torch.Tensor:
     """Graph op: a forward of the bucket registered under `key`; its ticket."""
     return lookup(key).open(own)
 
 
-@bucket_forward.register_fake
+@bucket_forward.op.register_fake
 def _(key, own):
     return own[0].new_empty((), dtype=torch.float64)
 
 
-@torch.library.custom_op("rtp::bucket_reduce_scatter", mutates_args=())
+@graph_op("bucket_reduce_scatter")
 def bucket_reduce_scatter(key: str, ticket: torch.Tensor,
                           units_done: torch.Tensor) -> list[torch.Tensor]:
     """Graph op: the own shards' gradients of the bucket `key`'s forward `ticket`, once every
@@ -227,9 +227,6 @@ def bucket_reduce_scatter(key: str, ticket: torch.Tensor,
     return lookup(key).reduce_scatter(ticket)
 
 
-@bucket_reduce_scatter.register_fake
+@bucket_reduce_scatter.op.register_fake
 def _(key, ticket, units_done):
     return [ticket.new_empty(lay.shard_shape, dtype=lay.dtype) for lay in lookup(key).layouts]
-
-
-effectful(torch.ops.rtp.bucket_forward, torch.ops.rtp.bucket_reduce_scatter)

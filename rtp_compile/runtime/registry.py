@@ -12,6 +12,7 @@ by `encode` / `decode`, since a custom op's schema only takes typed arguments.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import weakref
 
@@ -82,6 +83,26 @@ def effectful(*ops) -> None:
     them, even where no value they return is used."""
     for op in ops:
         torch.fx.node.has_side_effect(op.default)
+
+
+def graph_op(name: str, mutates_args=()):
+    """Decorator: `fn` registered as the (effectful) custom op `rtp::name`, whose fake
+    implementation goes on the result's `.op`; calling the result runs the op in a graph being
+    compiled (opaque to the compiler), else `fn` itself: the same code, which dispatch modes
+    such as MemTracker see into and which costs no dispatch."""
+    def wrap(fn):
+        op = torch.library.custom_op(f"rtp::{name}", fn, mutates_args=mutates_args)
+        overload = getattr(torch.ops.rtp, name).default
+        torch.fx.node.has_side_effect(overload)
+
+        @functools.wraps(fn)
+        def call(*args):
+            if torch.compiler.is_compiling():
+                return overload(*args)
+            return fn(*args)
+        call.op = op
+        return call
+    return wrap
 
 
 # the kinds of values a unit saves for backward, as `encode` passes them to an op

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rtp_compile.runtime.registry import Keyed, effectful, lookup
+from rtp_compile.runtime.registry import Keyed, effectful, graph_op, lookup
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -316,7 +316,7 @@ class JobCheck(Keyed):
                f"{self.replica_group_name!r}"
 
     def forward(self) -> None:
-        torch.ops.rtp.check_job(self.rtp_key)
+        check_job(self.rtp_key)
 
     def check(self) -> None:
         finish_leftover_hops()  # of a step before that raised after starting a hop
@@ -359,7 +359,7 @@ class BufferBroadcast(Keyed):
 
     def forward(self, *buffers: torch.Tensor) -> None:
         if buffers:
-            torch.ops.rtp.broadcast_buffers(self.rtp_key, list(buffers))
+            broadcast_buffers(self.rtp_key, list(buffers))
 
     def broadcast(self, buffers: list[torch.Tensor]) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -379,27 +379,26 @@ class BufferBroadcast(Keyed):
                         b.copy_(value)
 
 
-@torch.library.custom_op("rtp::check_job", mutates_args=())
+@graph_op("check_job")
 def check_job(key: str) -> None:
     """Graph op, first in every rank's module: its `JobCheck` (registered under `key`)."""
     lookup(key).check()
 
 
-@check_job.register_fake
+@check_job.op.register_fake
 def _(key):
     return None
 
 
-@torch.library.custom_op("rtp::broadcast_buffers", mutates_args=("buffers",))
+@graph_op("broadcast_buffers", mutates_args=("buffers",))
 def broadcast_buffers(key: str, buffers: list[torch.Tensor]) -> None:
     """Graph op: the first rank's `buffers`, by the `BufferBroadcast` registered under `key`."""
     lookup(key).broadcast(buffers)
 
 
-@broadcast_buffers.register_fake
+@broadcast_buffers.op.register_fake
 def _(key, buffers):
     return None
 
 
-effectful(torch.ops.rtp.ring_shift_start, torch.ops.rtp.ring_wait, torch.ops.rtp.ring_release,
-          torch.ops.rtp.check_job, torch.ops.rtp.broadcast_buffers)
+effectful(torch.ops.rtp.ring_shift_start, torch.ops.rtp.ring_wait, torch.ops.rtp.ring_release)

@@ -27,8 +27,8 @@ from rtp_compile.layout import real_part
 from rtp_compile.runtime import ring, transaction
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
 from rtp_compile.runtime.precision import Precision
-from rtp_compile.runtime.registry import (Keyed, autograd_in_op, decode, distinct, effectful,
-                                          encode, lookup)
+from rtp_compile.runtime.registry import (Keyed, autograd_in_op, decode, distinct, encode,
+                                          graph_op, lookup)
 
 
 class GradientRing:
@@ -87,7 +87,7 @@ class _UnitGrad(torch.autograd.Function):
         # in a bucket the shards' gradients go into the bucket's rows; the ticket's gradient
         # (zero) makes the bucket's backward wait for every unit's
         need_dx, own_needs = needs[4], needs[5:5 + n_own]
-        grads = iter(torch.ops.rtp.unit_backward(ctx.key, dy, *encode(values), need_dx,
+        grads = iter(unit_backward(ctx.key, dy, *encode(values), need_dx,
                                                  any(own_needs)))
         d_ticket = next(grads) if ticket is not None else None
         dx = next(grads) if need_dx else None
@@ -330,14 +330,14 @@ class _GatherGrad(torch.autograd.Function):
     def forward(ctx, key, n_inputs, single, *values):
         ctx.key = key
         _save(ctx, values)  # inputs and own shards; the gathered tensors are freed
-        outputs = torch.ops.rtp.gathered_forward(key, *encode(values))
+        outputs = gathered_forward(key, *encode(values))
         return outputs[0] if single else tuple(outputs)
 
     @staticmethod
     def backward(ctx, *douts):
         values = _saved(ctx)
         needs = ctx.needs_input_grad[3:]
-        grads = iter(torch.ops.rtp.gathered_backward(ctx.key, list(douts), *encode(values),
+        grads = iter(gathered_backward(ctx.key, list(douts), *encode(values),
                                                      list(needs)))
         return (None, None, None, *[next(grads) if need else None for need in needs])
 
@@ -426,7 +426,7 @@ class GatheredOpRuntime(Keyed):
     def forward(self, *tensors):
         n_inputs = len(tensors) - len(self.param_names)
         if not torch.is_grad_enabled():
-            outputs = torch.ops.rtp.gathered_forward(self.rtp_key, *encode(tensors))
+            outputs = gathered_forward(self.rtp_key, *encode(tensors))
             return outputs[0] if self.single else tuple(outputs)
         return _GatherGrad.apply(self.rtp_key, n_inputs, self.single, *tensors)
 
@@ -454,11 +454,11 @@ class _SmallGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, key, *own):
         ctx.key = key
-        return tuple(torch.ops.rtp.small_gather(key, list(own)))
+        return tuple(small_gather(key, list(own)))
 
     @staticmethod
     def backward(ctx, *full_grads):
-        grads = torch.ops.rtp.small_reduce_scatter(ctx.key, list(full_grads))
+        grads = small_reduce_scatter(ctx.key, list(full_grads))
         return (None, *[g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:])])
 
 
@@ -498,11 +498,11 @@ class SmallParamsGather(Keyed):
 
     def forward(self, *own):
         if not torch.is_grad_enabled():
-            return tuple(torch.ops.rtp.small_gather(self.rtp_key, list(own)))
+            return tuple(small_gather(self.rtp_key, list(own)))
         return _SmallGather.apply(self.rtp_key, *own)
 
 
-@torch.library.custom_op("rtp::unit_backward", mutates_args=())
+@graph_op("unit_backward")
 def unit_backward(key: str, dy: torch.Tensor, tensors: list[torch.Tensor], ints: list[int],
                   floats: list[float], kinds: list[int], need_dx: bool,
                   need_dw: bool) -> list[torch.Tensor]:
@@ -513,7 +513,7 @@ def unit_backward(key: str, dy: torch.Tensor, tensors: list[torch.Tensor], ints:
                                        need_dw)
 
 
-@unit_backward.register_fake
+@unit_backward.op.register_fake
 def _(key, dy, tensors, ints, floats, kinds, need_dx, need_dw):
     ticket, x, *rest = decode(tensors, ints, floats, kinds)
     own = rest[:len(lookup(key).roles)]
@@ -521,20 +521,20 @@ def _(key, dy, tensors, ints, floats, kinds, need_dx, need_dw):
             + ([x] if need_dx else []) + (own if need_dw and ticket is None else [])]
 
 
-@torch.library.custom_op("rtp::gathered_forward", mutates_args=())
+@graph_op("gathered_forward")
 def gathered_forward(key: str, tensors: list[torch.Tensor], ints: list[int],
                      floats: list[float], kinds: list[int]) -> list[torch.Tensor]:
     """Graph op: the gathered op registered under `key` on its inputs and own shards."""
     return lookup(key).forward_op(decode(tensors, ints, floats, kinds))
 
 
-@gathered_forward.register_fake
+@gathered_forward.op.register_fake
 def _(key, tensors, ints, floats, kinds):
     unit, values = lookup(key), decode(tensors, ints, floats, kinds)
     return unit.forward_op(values, unit.full_like(values[len(values) - len(unit.param_names):]))
 
 
-@torch.library.custom_op("rtp::gathered_backward", mutates_args=())
+@graph_op("gathered_backward")
 def gathered_backward(key: str, douts: list[torch.Tensor], tensors: list[torch.Tensor],
                       ints: list[int], floats: list[float], kinds: list[int],
                       needs: list[bool]) -> list[torch.Tensor]:
@@ -544,37 +544,32 @@ def gathered_backward(key: str, douts: list[torch.Tensor], tensors: list[torch.T
         return lookup(key).backward_op(douts, decode(tensors, ints, floats, kinds), needs)
 
 
-@gathered_backward.register_fake
+@gathered_backward.op.register_fake
 def _(key, douts, tensors, ints, floats, kinds, needs):
     values = decode(tensors, ints, floats, kinds)
     return [torch.empty_like(v) for v, need in zip(values, needs) if need]
 
 
-@torch.library.custom_op("rtp::small_gather", mutates_args=())
+@graph_op("small_gather")
 def small_gather(key: str, own: list[torch.Tensor]) -> list[torch.Tensor]:
     """Graph op: the small parameters of `SmallParamsGather` `key`, all-gathered."""
     return lookup(key).gather(own)
 
 
-@small_gather.register_fake
+@small_gather.op.register_fake
 def _(key, own):
     runtime = lookup(key)
     return [o.new_empty(lay.shape, dtype=runtime.precision.compute(lay.dtype))
             for o, lay in zip(own, runtime.layouts)]
 
 
-@torch.library.custom_op("rtp::small_reduce_scatter", mutates_args=())
+@graph_op("small_reduce_scatter")
 def small_reduce_scatter(key: str, full_grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Graph op: the small parameters' full gradients reduce-scattered into this rank's shards'."""
     return lookup(key).reduce_scatter(full_grads)
 
 
-@small_reduce_scatter.register_fake
+@small_reduce_scatter.op.register_fake
 def _(key, full_grads):
     return [g.new_empty(lay.shard_shape, dtype=lay.dtype)
             for g, lay in zip(full_grads, lookup(key).layouts)]
-
-
-effectful(torch.ops.rtp.unit_backward, torch.ops.rtp.gathered_forward,
-          torch.ops.rtp.gathered_backward, torch.ops.rtp.small_gather,
-          torch.ops.rtp.small_reduce_scatter)

@@ -1,0 +1,79 @@
+"""What the compile tests run on every rank of a real job (rtp_compile.launch, gloo): a rank's
+module trained next to the same rank's module under `torch.compile(..., fullgraph=True)`."""
+from __future__ import annotations
+
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import rtp_compile
+from jobs import loss_of, rel_err
+from rtp_compile.models import GPTConfig, TinyGPT
+from rtp_compile.runtime.bucket import BucketRuntime
+from rtp_compile.runtime.units import GatheredOpRuntime
+from zoo import batch, build
+
+LR = 1e-2
+
+
+def tiny_gpt(seed: int, dtype: torch.dtype) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT(GPTConfig(vocab_size=48, block_size=16, n_layer=1, n_head=2,
+                             n_embd=32)).to(dtype)
+
+
+def gpt_batch(seed: int, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + rank * 10 + step)
+    return torch.randint(0, 48, (2, 16), generator=g)
+
+
+def compiled_next_to_eager(rank: int, model, make_batch, backend: str, steps: int, seed: int,
+                           **options) -> dict:
+    """`steps` of forward, backward and AdamW on rank `rank`'s module and on another copy of
+    it compiled whole; the largest relative errors of the compiled one's outputs, gradients
+    and (after the steps) parameters; the frames dynamo compiled (one: no break, no
+    recompile); how many buckets and gathered ops the module has."""
+    prog = rtp_compile.transform(model, 2, **options)
+    eager, plain = prog.module(rank), prog.module(rank)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(plain, backend=counter, fullgraph=True)
+    opts = [torch.optim.AdamW(m.parameters(), lr=LR, eps=1e-6) for m in (eager, plain)]
+    errors = {"output": 0.0, "grad": 0.0, "param": 0.0}
+    for step in range(steps):
+        x = make_batch(step)
+        outs = [module(x) for module in (eager, compiled)]
+        for out in outs:
+            loss_of(out, seed + step).backward()
+        errors["output"] = max(errors["output"], rel_err(outs[1], outs[0]))
+        for (name, p), q in zip(eager.named_parameters(), plain.parameters()):
+            assert q.grad is not None, f"compiled module: no gradient for {name}"
+            errors["grad"] = max(errors["grad"], rel_err(q.grad, p.grad, 1e-6))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    errors["param"] = max(rel_err(q, p, LR) for p, q in zip(eager.parameters(),
+                                                             plain.parameters()))
+    return {**errors, "frames": counter.frame_count,
+            "buckets": sum(isinstance(m, BucketRuntime) for m in plain.modules()),
+            "gathered": sum(isinstance(m, GatheredOpRuntime) for m in plain.modules())}
+
+
+def aot_eager_models(rank: int, world_size: int, seed: int) -> dict:
+    """TinyGPT with buckets (the default) and without, and a model with gathered ops, float64,
+    compiled with aot_eager (functionalization and the partitioner, no code generation)."""
+    torch._dynamo.reset()
+    gpt = tiny_gpt(seed, torch.float64)
+    return {
+        "gpt": compiled_next_to_eager(rank, gpt, lambda s: gpt_batch(seed, rank, s),
+                                      "aot_eager", 3, seed),
+        "gpt, no buckets": compiled_next_to_eager(rank, gpt, lambda s: gpt_batch(seed, rank, s),
+                                                  "aot_eager", 3, seed, bucket_bytes=0),
+        "norule": compiled_next_to_eager(rank, build("norule", seed),
+                                         lambda s: batch("norule", seed, rank, s),
+                                         "aot_eager", 3, seed)}
+
+
+def inductor_gpt(rank: int, world_size: int, seed: int) -> dict:
+    """TinyGPT in float32 through the default backend (inductor's C++ code)."""
+    torch._dynamo.reset()
+    return compiled_next_to_eager(rank, tiny_gpt(seed, torch.float32),
+                                  lambda s: gpt_batch(seed, rank, s), "inductor", 2, seed)
