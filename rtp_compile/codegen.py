@@ -333,9 +333,13 @@ class RankEmitter:
         return out
 
 
+# The module's hooks run eagerly around a compiled forward too: traced, each would be a frame
+# compiled per module, guarded on the hops in flight and the shards' gradients.
+@torch.compiler.disable
 def _finish_leftover_hops(module, args, output) -> None:
     ring.finish_leftover_hops()
 
 
+@torch.compiler.disable
 def _enter_grad_transaction(module, args) -> None:
     module.rtp_grads.enter_forward(list(module.parameters()))

@@ -9,6 +9,7 @@ import rtp_compile
 from jobs import loss_of, rel_err
 from rtp_compile.models import GPTConfig, TinyGPT
 from rtp_compile.runtime.bucket import BucketRuntime
+from rtp_compile.runtime.recompute import CheckpointedRegion
 from rtp_compile.runtime.units import GatheredOpRuntime
 from zoo import batch, build
 
@@ -30,8 +31,8 @@ def compiled_next_to_eager(rank: int, model, make_batch, backend: str, steps: in
                            **options) -> dict:
     """`steps` of forward, backward and AdamW on rank `rank`'s module and on another copy of
     it compiled whole; the largest relative errors of the compiled one's outputs, gradients
-    and (after the steps) parameters; the frames dynamo compiled (one: no break, no
-    recompile); how many buckets and gathered ops the module has."""
+    and (after the steps) parameters and buffers; the frames dynamo compiled (one: no break,
+    no recompile); how many buckets, gathered ops and activation checkpoints the module has."""
     prog = rtp_compile.transform(model, 2, **options)
     eager, plain = prog.module(rank), prog.module(rank)
     counter = CompileCounterWithBackend(backend)
@@ -50,30 +51,46 @@ def compiled_next_to_eager(rank: int, model, make_batch, backend: str, steps: in
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    errors["param"] = max(rel_err(q, p, LR) for p, q in zip(eager.parameters(),
-                                                             plain.parameters()))
+    errors["param"] = max(rel_err(q.float(), p.float(), LR) for p, q in zip(
+        [*eager.parameters(), *eager.buffers()], [*plain.parameters(), *plain.buffers()]))
+    kinds = (BucketRuntime, GatheredOpRuntime, CheckpointedRegion)
     return {**errors, "frames": counter.frame_count,
-            "buckets": sum(isinstance(m, BucketRuntime) for m in plain.modules()),
-            "gathered": sum(isinstance(m, GatheredOpRuntime) for m in plain.modules())}
+            **{kind.__name__: sum(isinstance(m, kind) for m in plain.modules())
+               for kind in kinds}}
 
 
 def aot_eager_models(rank: int, world_size: int, seed: int) -> dict:
-    """TinyGPT with buckets (the default) and without, and a model with gathered ops, float64,
-    compiled with aot_eager (functionalization and the partitioner, no code generation)."""
-    torch._dynamo.reset()
+    """Float64, compiled with aot_eager (functionalization and the partitioner, no code
+    generation): TinyGPT with buckets (the default) and without; models with gathered ops,
+    with activation checkpoints, with BatchNorm (buffers broadcast and updated in place)."""
     gpt = tiny_gpt(seed, torch.float64)
-    return {
-        "gpt": compiled_next_to_eager(rank, gpt, lambda s: gpt_batch(seed, rank, s),
-                                      "aot_eager", 3, seed),
-        "gpt, no buckets": compiled_next_to_eager(rank, gpt, lambda s: gpt_batch(seed, rank, s),
-                                                  "aot_eager", 3, seed, bucket_bytes=0),
-        "norule": compiled_next_to_eager(rank, build("norule", seed),
-                                         lambda s: batch("norule", seed, rank, s),
-                                         "aot_eager", 3, seed)}
+    out = {"gpt": compiled_next_to_eager(rank, gpt, lambda s: gpt_batch(seed, rank, s),
+                                         "aot_eager", 2, seed),
+           "gpt, no buckets": compiled_next_to_eager(rank, gpt,
+                                                     lambda s: gpt_batch(seed, rank, s),
+                                                     "aot_eager", 2, seed, bucket_bytes=0)}
+    for name in ("norule", "checkpointed", "conv"):
+        out[name] = compiled_next_to_eager(rank, build(name, seed),
+                                           lambda s: batch(name, seed, rank, s),
+                                           "aot_eager", 2, seed)
+    return out
 
 
 def inductor_gpt(rank: int, world_size: int, seed: int) -> dict:
     """TinyGPT in float32 through the default backend (inductor's C++ code)."""
-    torch._dynamo.reset()
     return compiled_next_to_eager(rank, tiny_gpt(seed, torch.float32),
                                   lambda s: gpt_batch(seed, rank, s), "inductor", 2, seed)
+
+
+def many_modules(rank: int, world_size: int, seed: int, count: int) -> list[int]:
+    """The frames each of `count` rank modules of one program compiles (eager backend): dynamo
+    compiles at most `recompile_limit` (8) frames of one code object, so if anything these
+    modules share (their hooks) were compiled per module, fullgraph would fail."""
+    prog = rtp_compile.transform(build("mlp", seed), world_size)
+    x = batch("mlp", seed, rank)
+    frames = []
+    for _ in range(count):
+        counter = CompileCounterWithBackend("eager")
+        torch.compile(prog.module(rank), backend=counter, fullgraph=True)(x).sum().backward()
+        frames.append(counter.frame_count)
+    return frames
