@@ -18,6 +18,7 @@ import pathlib
 import torch
 
 import rtp_compile.cost as cost
+from rtp_compile.bench_speed import prepare
 from rtp_compile.compiler import transform
 from rtp_compile.models import GPTConfig, TinyGPT, lm_loss
 from rtp_compile.runtime.launch import launch
@@ -28,22 +29,6 @@ BATCH = 2
 WORLD_SIZES = (2, 4)
 CATEGORIES = ("PARAM", "GRAD", "OPT", "ACT", "TEMP")
 KINDS = ("ddp", "fsdp2", "rtp")
-
-
-def _wrap(kind: str, rank: int, world_size: int, config: GPTConfig = CONFIG):
-    """A fresh model (same seed on every rank) prepared as `kind` for this rank."""
-    torch.manual_seed(0)
-    model = TinyGPT(config)
-    if kind == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model)
-    if kind == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (world_size,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-    return transform(model, world_size).module(rank)
 
 
 def tracked_step(model, vocab_size: int, block_size: int, batch: int, seed: int):
@@ -77,7 +62,7 @@ def measure(rank: int, world_size: int) -> dict:
     """Per kind: bytes by category at the step's peak, and the model state after the step."""
     results = {}
     for kind in KINDS:
-        model = _wrap(kind, rank, world_size)
+        model = prepare(kind, rank, world_size, CONFIG, torch.device("cpu"))
         peak, state, _ = tracked_step(model, CONFIG.vocab_size, CONFIG.block_size, BATCH, rank)
         results[kind] = {**peak, "state": state}
         del model

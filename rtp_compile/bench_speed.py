@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import statistics
 import time
@@ -33,6 +32,7 @@ from rtp_compile.models import GPTConfig, TinyGPT, lm_loss
 from rtp_compile.runtime import ring
 from rtp_compile.runtime.launch import launch
 from rtp_compile.tables import format_table
+from rtp_compile.traces import profile_step
 
 KINDS = ("ddp", "fsdp2", "tp", "rtp")
 PRESETS = {  # name -> (model, sequences per batch, tokens per sequence)
@@ -84,7 +84,7 @@ def head_parallel(model: TinyGPT, mesh) -> TinyGPT:
     return model
 
 
-def _prepare(kind: str, rank: int, world_size: int, config: GPTConfig, device):
+def prepare(kind: str, rank: int, world_size: int, config: GPTConfig, device):
     """A fresh model (the same initial weights on every rank) prepared as `kind`."""
     torch.manual_seed(0)
     model = TinyGPT(config).to(device)
@@ -133,11 +133,10 @@ def _numel(dims) -> int:
 def measure(rank: int, world_size: int, setup: Setup) -> dict:
     """Per kind, on this rank: timed steps per round, then one profiled and one tracked step."""
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.profiler import ProfilerActivity, profile
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     cfg = setup.config
-    models = {k: _prepare(k, rank, world_size, cfg, device) for k in KINDS}
+    models = {k: prepare(k, rank, world_size, cfg, device) for k in KINDS}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     gens = {k: torch.Generator().manual_seed(0 if k == "tp" else rank + 1) for k in KINDS}
 
@@ -167,15 +166,11 @@ def measure(rank: int, world_size: int, setup: Setup) -> dict:
             bar and bar.update()
     out = {k: {"rounds": [statistics.median(t) for t in times[k]],
                "all": [s for t in times[k] for s in t]} for k in KINDS}
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
-                                           else [])
     for kind in KINDS:
         hops, sent = ring.traffic["hops"], ring.traffic["bytes"]
-        with profile(activities=activities, record_shapes=True) as prof:
-            seconds = step(kind)
         path = pathlib.Path(setup.trace_dir) / f"trace_{kind}_N{world_size}_rank{rank}.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())["traceEvents"]
+        seconds, trace = profile_step(lambda: step(kind), path, cuda=device.type == "cuda",
+                                      record_shapes=True)
         if rank:
             path.unlink()  # rank 0's trace is kept
         if kind == "rtp":
@@ -210,7 +205,7 @@ def run(world_sizes=(2, 4), preset: str = "gpt-small", rounds: int = 3, steps: i
     rows = []
     for n in world_sizes:
         ranks = launch(measure, n, args=(setup,), timeout=1800,
-                       env={"KINETO_LOG_LEVEL": "5"})  # the profiler's start/stop lines
+                       env={"KINETO_LOG_LEVEL": "6"})  # no profiler start/stop lines
         for kind in KINDS:
             per_rank = [r[kind] for r in ranks]
             step_s = statistics.median(per_rank[0]["all"])

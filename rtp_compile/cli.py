@@ -58,11 +58,19 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_run_demo)
 
     inspect = commands.add_parser(
-        "inspect", help="print the sharding plan, op report and a rank's code for a model")
+        "inspect", help="print the sharding plan, op report, a rank's code and the predicted "
+                        "memory for a model (--draw: its schedule drawn)")
     inspect.add_argument("target", metavar="MODULE:FACTORY",
                          help="importable module and a callable in it returning an nn.Module")
     inspect.add_argument("--world-size", type=_positive_int, required=True, help="ranks")
     inspect.add_argument("--rank", type=int, default=0, help="rank whose code to print (default 0)")
+    inspect.add_argument("--batch-size", type=_positive_int, default=1,
+                         help="per-rank batch the cost is predicted for (default 1)")
+    inspect.add_argument("--seq-len", type=_positive_int, default=32,
+                         help="tokens per sequence the cost is predicted for (default 32)")
+    inspect.add_argument("--draw", metavar="PATH",
+                         help="also draw the rank's forward schedule to PATH (.svg, .png or "
+                              ".pdf; needs matplotlib)")
     inspect.set_defaults(run=_run_inspect)
 
     plan = commands.add_parser(
@@ -118,11 +126,16 @@ def _run_demo(args: argparse.Namespace) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> None:
-    """`inspect`: compile the model a factory returns and print plan, report and rank code."""
+    """`inspect`: compile the model a factory returns and print plan, report, rank code and
+    cost; draw the rank's schedule if asked."""
     from rtp_compile.compiler import transform
+    from rtp_compile.draw import FORMATS
 
     if not 0 <= args.rank < args.world_size:
         raise UsageError(f"--rank must be in [0, {args.world_size}), got {args.rank}")
+    if args.draw and not args.draw.lower().endswith(FORMATS):
+        raise UsageError(f"--draw writes {', '.join(FORMATS)} by the path's suffix, got "
+                         f"{args.draw!r}")
     model = load_model(args.target)
     prog = transform(model, args.world_size)
     print(prog.plan)
@@ -131,6 +144,13 @@ def _run_inspect(args: argparse.Namespace) -> None:
     print()
     print(f"# module of rank {args.rank} of {args.world_size}: its units, then its code")
     print(prog.module(args.rank))
+    print()
+    try:
+        print(prog.cost(args.batch_size, args.seq_len))
+    except ValueError as err:  # inputs whose shapes the cost model cannot tell
+        print(f"cost not predicted: {err}")
+    if args.draw:
+        print(f"\nschedule of rank {args.rank} drawn: {prog.draw(args.rank, args.draw)}")
 
 
 def _run_plan(args: argparse.Namespace) -> None:

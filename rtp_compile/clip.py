@@ -10,13 +10,12 @@ norms, so every rank gets the same total and scales its shards by the same facto
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from rtp_compile.codegen import job_of
 from rtp_compile.layout import real_part
 from rtp_compile.program import program_of
-from rtp_compile.runtime.ring import resolve_group
+from rtp_compile.runtime import ring
 
 
 def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
@@ -53,7 +52,7 @@ def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
         norm_type, foreach=foreach)
     if job.world_size > 1:
         norms = [torch.empty_like(local) for _ in range(job.world_size)]
-        dist.all_gather(norms, local, group=resolve_group(job.group_name))
+        ring.all_gather(norms, local, job.group_name)
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     else:
         total = local

@@ -117,10 +117,12 @@ class RankEmitter:
                 setattr(gm, spec, getattr(self.src, spec))
         outline_checkpoints(gm)  # the model's activation checkpoints, recomputed in backward
         gm.graph.lint()
-        # a forward that raises leaves no hop in flight (also when it raised between the two)
-        gm.register_forward_hook(_finish_leftover_hops, always_call=True)
+        # a forward that raises leaves no hop in flight (also when it raised between the two),
+        # and its ring broken: its peers may be left waiting on it (runtime.ring.recover)
+        gm.register_forward_hook(_forward_returned)
+        gm.register_forward_hook(_finish_forward, always_call=True)
         # a backward that raises leaves every shard's .grad as it was (runtime.transaction)
-        gm.rtp_grads = GradTransaction(self._replica_reduction(gm))
+        gm.rtp_grads = GradTransaction(self._replica_reduction(gm), self.group_name)
         for module in gm.modules():  # the runtime modules whose backwards open it
             if isinstance(module, Keyed):
                 module.transaction = gm.rtp_grads
@@ -336,10 +338,20 @@ class RankEmitter:
 # The module's hooks run eagerly around a compiled forward too: traced, each would be a frame
 # compiled per module, guarded on the hops in flight and the shards' gradients.
 @torch.compiler.disable
-def _finish_leftover_hops(module, args, output) -> None:
+def _forward_returned(module, args, output) -> None:
+    module.rtp_forward_returned = True
+
+
+@torch.compiler.disable
+def _finish_forward(module, args, output) -> None:
+    """After every forward, also one that raised: no hop left in flight; a forward that raised
+    (`_forward_returned` did not run) breaks the ring, whose peers may wait on this rank."""
+    if not module.rtp_forward_returned:
+        ring.mark_broken(job_of(module).group_name, "this rank's forward raised")
     ring.finish_leftover_hops()
 
 
 @torch.compiler.disable
 def _enter_grad_transaction(module, args) -> None:
+    module.rtp_forward_returned = False
     module.rtp_grads.enter_forward(list(module.parameters()))

@@ -21,7 +21,7 @@ from rtp_compile.passes.context import Context
 from rtp_compile.passes.plan import Plan
 from rtp_compile.passes.retarget_meta import retarget_meta
 from rtp_compile.rank_tensors import rank_tensors
-from rtp_compile.runtime.ring import resolve_group
+from rtp_compile.runtime import ring
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -159,6 +159,13 @@ class RTPProgram:
         return rank, group, {"replica": mesh.get_local_rank(0), "replicas": mesh.size(0),
                              "replica_group_name": mesh.get_group(0).group_name}
 
+    def draw(self, rank: int, path):
+        """Draw `rank`'s module as its forward schedule to `path` (.svg, .png or .pdf): each
+        unit's steps coloured by unit (or bucket), each ring hop from its send to its wait,
+        gathered ops marked (`rtp_compile.draw`; needs matplotlib). Returns the path."""
+        from rtp_compile.draw import draw  # matplotlib is imported only to draw
+        return draw(self, rank, path)
+
     def report(self) -> str:
         """Every weight-bearing op: rotated (rule, mode, dims) or gathered (why), bytes per rank."""
         lines = [f"rtp_compile program for {self.world_size} ranks"]
@@ -253,7 +260,7 @@ class RTPProgram:
         if self.world_size == 1:
             return [shard.clone()]
         out = [torch.empty_like(shard) for _ in range(self.world_size)]
-        dist.all_gather(out, shard.contiguous(), group=resolve_group(group_name))
+        ring.all_gather(out, shard.contiguous(), group_name)
         return out
 
     def load_full_state_dict(self, gm: nn.Module, state_dict) -> None:

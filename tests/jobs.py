@@ -855,3 +855,89 @@ def checkpointed_like_ddp(rank: int, world_size: int, seed: int, capture: str,
     return {**errors, "regions": regions, "hops": hops,
             "peak": {k: v["Total"] for k, v in peaks.items()},
             "left_in_flight": len(ring._pending), "pooled": len(ring.pool.buffers)}
+
+
+def peer_raises_alone(rank: int, world_size: int, seed: int, where: str) -> dict:
+    """Rank 1 alone raises in the second step (`where`: "forward", the model's own code after
+    its first unit; "backward", a unit's backward; "loss", between forward and backward,
+    outside the rank module; "leaves": as "forward", then it stops training and waits for the
+    others to finish), on a ring group with a 3 s timeout. Every rank catches what its
+    step raised and goes on until three steps have completed. Returns what each attempt raised,
+    whether the failed step changed any parameter, gradient or optimizer state, the hops left
+    in flight, and the parameters against the unsharded model trained with AdamW on the mean
+    gradient of the batches each completed step used on each rank (exchanged over the healthy
+    default group: a rank that failed twice pairs a later batch with its peers')."""
+    import datetime
+    import time
+    group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=3))
+    model = build("gpt", seed)
+    prog = rtp_compile.transform(model, world_size)
+    gm = prog.module(rank, group=group)
+    opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1)
+    from rtp_compile.runtime.units import RotatedOpRuntime
+    units = [m for _, m in gm.named_modules() if isinstance(m, RotatedOpRuntime)]
+    failing = units[len(units) // 2]
+    armed = {"on": False}
+
+    def own_code_raises(*args):
+        if armed["on"] and where in ("forward", "leaves"):
+            raise ValueError("rank 1's own code raised")
+
+    failing.register_forward_pre_hook(own_code_raises)
+    step_weight_grads = type(failing).step_weight_grads
+
+    def unit_raises(self, *args):
+        if armed["on"] and where == "backward" and self is failing:
+            raise RuntimeError("rank 1's unit backward raised")
+        return step_weight_grads(self, *args)
+
+    type(failing).step_weight_grads = unit_raises
+    snapshot = lambda: ({n: p.detach().clone() for n, p in gm.named_parameters()},  # noqa: E731
+                        {n: p.grad for n, p in gm.named_parameters()},
+                        copy.deepcopy(opt.state_dict()))
+    raised, used, unchanged, left = [], [], None, None
+    attempt = 0
+    dist.barrier()
+    while len(used) < 3 and attempt < 6:
+        before = snapshot() if attempt == 1 else None
+        start = time.monotonic()
+        armed["on"] = rank == 1 and attempt == 1
+        try:
+            out = gm(batch("gpt", seed, rank, attempt))
+            if armed["on"] and where == "loss":
+                raise ValueError("rank 1's loss code raised")
+            loss_of(out, seed + attempt).backward()
+            opt.step()
+            opt.zero_grad()
+            used.append(attempt)
+            raised.append(None)
+        except Exception as err:  # noqa: BLE001 - what the step raised, on this rank
+            raised.append(f"{type(err).__name__}: {err}")
+            if where == "leaves" and (rank == 1 or attempt == 2):  # rank 1 leaves the ring
+                raised[-1] += f" (after {time.monotonic() - start:.1f} s)"
+                attempt = 6
+        if len(raised) == 2:
+            after = snapshot()
+            unchanged = all(torch.equal(before[0][n], after[0][n]) for n in before[0]) and \
+                all(after[1][n] is None for n in after[1]) and \
+                all(torch.equal(a, b) for n in before[2]["state"] for k in before[2]["state"][n]
+                    for a, b in [(before[2]["state"][n][k], after[2]["state"][n][k])])
+            left = len(rtp_compile.runtime.ring._pending)
+        attempt += 1
+    type(failing).step_weight_grads = step_weight_grads
+    dist.barrier()                               # over the default group
+    if where == "leaves":
+        return {"raised": raised, "used": used, "unchanged": unchanged, "left_in_flight": left}
+    state = prog.full_state_dict(gm)
+    every = [None] * world_size
+    dist.all_gather_object(every, used)          # over the default group, not the ring's
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
+    for k in range(len(used)):
+        loss = sum(loss_of(reference(batch("gpt", seed, r, every[r][k])), seed + every[r][k])
+                   for r in range(world_size)) / world_size
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"raised": raised, "used": used, "unchanged": unchanged, "left_in_flight": left,
+            "param": param_errors(state, reference.state_dict(), parameter_keys(model))}

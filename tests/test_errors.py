@@ -9,6 +9,7 @@ from torch import nn
 
 import rtp_compile
 from jobs import (die_mid_step, failed_backward_leaves_state, failed_forward_leaves_state,
+                  peer_raises_alone,
                   run_program_of, stall_one_rank)
 from decoders import build_decoder, decoder_batch
 from zoo import build
@@ -160,3 +161,42 @@ def test_a_backward_that_raises_leaves_gradients_as_they_were(where, seed):
         assert r["raised"] and "failed" in r["raised"], (rank, r)
         assert r["unchanged"] and r["left_in_flight"] == 0, (rank, r)
         assert r["param"] <= 1e-9, (rank, r)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("where", ["forward", "backward", "loss"])
+def test_a_peer_that_raises_alone_leaves_state_intact_and_the_job_trains_on(where, seed):
+    # rank 1 alone raises in the second step; the others time out (3 s), naming it; the failed
+    # step changed nothing on any rank and left nothing in flight; every rank re-forms the ring
+    # at its next forward and the job trains on, as the unsharded model on the batches used
+    results = rtp_compile.launch(peer_raises_alone, 3, args=(seed, where), timeout=120)
+    for rank, r in enumerate(results):
+        assert r["unchanged"] and r["left_in_flight"] == 0, (rank, r)
+        assert r["param"] <= 1e-9, (rank, r)
+        assert r["raised"][0] is None, (rank, r)
+        if rank == 1:
+            assert "rank 1's" in r["raised"][1], r
+        else:
+            assert f"rank {rank} timed out or failed in the ring" in r["raised"][1], r
+            assert re.search(r"Rank (1 or \d|\d or 1) probably failed", r["raised"][1]), r
+        if where == "loss" and rank == 1:
+            # it raised outside its module, so its next step ran on the old ring and failed
+            # once the peers had timed out; the one after joined them
+            assert "timed out or failed in the ring" in r["raised"][2], r
+            assert r["used"] == [0, 3, 4], r
+        else:
+            assert r["used"] == [0, 2, 3], (rank, r)  # the next step trained
+
+
+@pytest.mark.timeout(180)
+def test_a_peer_that_raises_and_leaves_makes_the_next_step_fail_clearly():
+    # rank 1 raises alone, then stops training (alive, not in the ring): the others' next step
+    # cannot re-form the ring and says so within three group timeouts (3 x 3 s)
+    results = rtp_compile.launch(peer_raises_alone, 3, args=(0, "leaves"), timeout=120)
+    for rank in (0, 2):
+        r = results[rank]
+        assert r["unchanged"] and r["left_in_flight"] == 0, (rank, r)
+        message = r["raised"][2]
+        assert f"rank {rank} could not re-form its ring" in message, message
+        assert "peer probably died" in message and "checkpoint" in message, message
+        assert float(re.search(r"after ([\d.]+) s\)$", message).group(1)) < 3 * 3 + 5, message

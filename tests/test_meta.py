@@ -7,7 +7,6 @@ Real gloo jobs at world sizes 2 and 3: the shards equal `layout.shard` of the un
 AdamW steps match that twin and DDP, checkpoints load exactly, and the bytes allocated while a
 rank materialises (every op's fresh storages, watched) never exceed its shards plus one module.
 """
-import math
 import weakref
 
 import pytest

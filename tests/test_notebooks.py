@@ -36,14 +36,21 @@ def stdout_of(cell) -> str:
                    if o.get("output_type") == "stream" and o.get("name") == "stdout")
 
 
-def test_quickstart_exists_and_is_saved_with_outputs():
+def test_quickstart_exists():
     assert QUICKSTART.is_file(), f"{QUICKSTART} is missing"
-    nb = nbformat.read(QUICKSTART, as_version=4)
+
+
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
+def test_notebook_is_saved_with_its_outputs_and_a_figure(path: pathlib.Path):
+    nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     assert nb.metadata.kernelspec.name == "python3"
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.execution_count is not None for c in code), \
         "save the notebook executed (with its outputs) so it reads well on GitHub"
+    images = [o for c in code for o in c.get("outputs", [])
+              if {"image/png", "image/svg+xml"} & set(o.get("data", {}))]
+    assert images, f"{path.name} shows no figure"
 
 
 @pytest.mark.timeout(600)

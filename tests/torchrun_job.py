@@ -3,7 +3,6 @@ import copy
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 

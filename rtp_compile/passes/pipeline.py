@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from rtp_compile.tables import format_table
+
 log = logging.getLogger("rtp_compile")
 
 
@@ -80,6 +82,24 @@ class PassRecord:
                         ((op, *c) for op, c in self.changed_ops().items())) or "no op changed"
         return (f"{self.name}: {sum(self.before.values())} -> {sum(self.after.values())} nodes "
                 f"(+{len(self.added)} -{len(self.removed)}); {ops}")
+
+
+def pass_table(records: list[PassRecord], ops_shown: int = 3) -> str:
+    """`records` (a program's `pass_log`) as a table: per pass its node count before and
+    after, the nodes added and removed, and the ops whose count changed most (`ops_shown` of
+    them, then how many more)."""
+    rows = [("pass", "nodes", "added", "removed", "ops changed")]
+    for r in records:
+        if r.skipped:
+            rows.append((r.name, "disabled", "", "", ""))
+            continue
+        changed = sorted(r.changed_ops().items(), key=lambda c: -abs(c[1][1] - c[1][0]))
+        ops = ", ".join(f"{op.split(':', 1)[-1]} {a}->{b}" for op, (a, b) in
+                        changed[:ops_shown])
+        more = f" (+{len(changed) - ops_shown} more)" if len(changed) > ops_shown else ""
+        rows.append((r.name, f"{sum(r.before.values())} -> {sum(r.after.values())}",
+                     f"+{len(r.added)}", f"-{len(r.removed)}", (ops + more) or "-"))
+    return format_table(rows, align="left")
 
 
 def _census(gm: fx.GraphModule) -> tuple[collections.Counter, set[str]]:

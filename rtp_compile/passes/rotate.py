@@ -90,12 +90,16 @@ def _gather_small(graph: fx.Graph, first: fx.Node, params: list[str],
                   units: list[str]) -> dict[str, fx.Node]:
     """Before `first` (the first small op, or op of a small parameter's chain): one
     gathered_small node over every small parameter, and a getitem per parameter (its whole
-    tensor)."""
+    tensor, named `<parameter>_full` so the code reads which one an op takes)."""
     with graph.inserting_before(first):
         marker = graph.call_function(gathered_small, tuple(graph.get_attr(p) for p in params))
         marker.meta["rtp"] = {"unit": units[0], "units": units, "step": None, "action": "small"}
         marker.meta["is_wrapped"] = True
-        return {p: graph.call_function(operator.getitem, (marker, i)) for i, p in enumerate(params)}
+        full = {}
+        for i, p in enumerate(params):
+            full[p] = graph.call_function(operator.getitem, (marker, i))
+            full[p]._rename(f"{p.replace('.', '_')}_full")
+        return full
 
 
 def parameters_read_only_by_units(gm: fx.GraphModule) -> None:

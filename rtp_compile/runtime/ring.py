@@ -9,6 +9,14 @@ receive buffer is never a graph value before its wait (no compiler can read it e
 pending work is found by the handle's value (a compiler may copy or move the handle), and
 `sent` keeps what the hop sends alive in the graph until the wait (a compiler may not reuse its
 memory while it is being sent).
+
+A ring whose hop failed (a peer that timed out, died or raised alone) cannot go on over the
+same connections: gloo closes a pair whose wait timed out, and the hops a failed step left
+posted would match the next step's. Such a ring is *broken* (`mark_broken`: a failed hop, and
+any forward or backward of the rank module that raised, since the peers may be left waiting).
+The next forward of the rank's module re-forms it (`recover`): every rank of the group meets
+in the job's store, then talks over a new communicator of its own, so nothing of the failed
+step can match; what the failed step left in flight is abandoned, never waited for.
 """
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ import datetime
 import itertools
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -30,11 +38,16 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 @dataclass
 class _PendingShift:
     works: list
-    sent: list  # keeps the sent tensors alive until the send completed
+    buffers: list  # the sent and received tensors: alive while the hop may still touch them
     timeout: datetime.timedelta
     where: str
     peers: tuple[int, int]  # (sends to, receives from): global ranks
-    received: torch.Tensor  # filled once the hop is done; handed out by its wait
+    group_name: str
+
+    @property
+    def received(self) -> torch.Tensor:
+        """The receive buffer: filled once the hop is done, handed out by its wait."""
+        return self.buffers[1]
 
 
 _pending: dict[int, _PendingShift] = {}  # hop handle -> its work
@@ -71,11 +84,15 @@ def group_timeout(group) -> datetime.timedelta:
 class Peers:
     """Who a rank sends to and receives from for one shift in one process group (held weakly:
     a destroyed group must not live on in this cache until the interpreter's teardown, where
-    its backend's threads would be torn down too late)."""
+    its backend's threads would be torn down too late). After a recovery the hops go over the
+    ring's own communicator `comm`, to and from the group ranks `dst_in_group`/`src_in_group`."""
     group_ref: weakref.ref
     dst: int                    # global rank of (r + shift) in the group
     src: int                    # global rank of (r - shift)
     timeout: datetime.timedelta
+    comm: object = None         # the ring's communicator once re-formed (None: the group's)
+    dst_in_group: int = 0
+    src_in_group: int = 0
 
     @property
     def group(self):
@@ -87,15 +104,103 @@ _peers: dict[tuple[str, int], Peers] = {}
 
 def peers(group_name: str, shift: int) -> Peers:
     """The peers of a shift, looked up once per group: a job that destroys and re-creates its
-    process group gets a new group object, and with it new peers and timeout."""
+    process group gets a new group object, and with it new peers and timeout; a re-formed ring
+    its new communicator."""
     group = resolve_group(group_name)
+    comm = _rings[group_name].comm if group_name in _rings else None
     known = _peers.get((group_name, shift))
-    if known is None or known.group is not group:
+    if known is None or known.group is not group or known.comm is not comm:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
+        dst, src = (rank + shift) % size, (rank - shift) % size
         known = _peers[(group_name, shift)] = Peers(
-            weakref.ref(group), dist.get_global_rank(group, (rank + shift) % size),
-            dist.get_global_rank(group, (rank - shift) % size), group_timeout(group))
+            weakref.ref(group), dist.get_global_rank(group, dst),
+            dist.get_global_rank(group, src), group_timeout(group), comm, dst, src)
     return known
+
+
+@dataclass
+class RingState:
+    """What a process knows of one group's ring beyond its peers: whether a failure broke it
+    (`broken`: why), how often it was re-formed (`epoch`), its own communicator since then, and
+    what failed steps left in flight (kept alive, never waited for: a late message must not
+    land in freed memory)."""
+    epoch: int = 0
+    broken: str | None = None
+    comm: object = None
+    abandoned: list = field(default_factory=list)
+
+
+_rings: dict[str, RingState] = {}
+
+
+def ring_state(group_name: str) -> RingState:
+    return _rings.setdefault(group_name, RingState())
+
+
+def mark_broken(group_name: str, why: str) -> None:
+    """The ring of `group_name` must be re-formed before its next hop: a hop failed, or this
+    rank's step raised while its peers may be waiting on it. What is in flight is abandoned."""
+    state = ring_state(group_name)
+    state.broken = state.broken or why
+    for key in [k for k, p in _pending.items() if p.group_name == group_name]:
+        state.abandoned.append(_pending.pop(key))
+
+
+def recover(group_name: str) -> None:
+    """Re-form a broken ring: every rank of the group meets in the job's store (each arrives
+    at its next forward after the failure, so the meeting waits up to three group timeouts),
+    then the ring talks over a new gloo communicator of its own. A ring that is not broken is
+    left as it is. Raises, naming what broke the ring, where it cannot be re-formed."""
+    state = ring_state(group_name)
+    if state.broken is None:
+        return
+    group = resolve_group(group_name)
+    backend = str(dist.get_backend(group))
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if backend != "gloo":
+        raise RuntimeError(
+            f"rtp_compile: the ring of rank {rank} broke ({state.broken}) and a {backend} ring "
+            "cannot be re-formed in the same process. Restart the job (torchrun "
+            "--max-restarts) from the last rtp_compile.checkpoint.")
+    timeout = group_timeout(group)
+    epoch = state.epoch + 1
+    store = dist.PrefixStore(f"rtp_compile/ring/{group_name or 'WORLD'}/epoch{epoch}/",
+                             dist.distributed_c10d._get_default_store())
+    try:
+        if store.add("arrived", 1) == size:
+            store.set("all", "1")
+        store.wait(["all"], 3 * timeout)
+        comm = dist.ProcessGroupGloo(store, rank, size, timeout)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"rtp_compile: rank {rank} could not re-form its ring with the {size - 1} other "
+            f"ranks of its group within {3 * timeout} after it broke ({state.broken}): a "
+            f"peer probably died. Restart the job from the last checkpoint. ({err})") from err
+    if state.comm is not None:
+        state.abandoned.append(state.comm)  # its pairs may still hold what a step left
+    state.comm, state.epoch, state.broken = comm, epoch, None
+
+
+def all_gather(out: list[torch.Tensor], tensor: torch.Tensor, group_name: str) -> None:
+    """`dist.all_gather` over the ring's connections (its own communicator once re-formed)."""
+    comm = ring_state(group_name).comm if group_name in _rings else None
+    if comm is None:
+        dist.all_gather(out, tensor, group=resolve_group(group_name))
+    else:
+        comm.allgather([out], [tensor]).wait()
+
+
+def broadcast(flat: torch.Tensor, group_name: str) -> None:
+    """Broadcast `flat` from the group's first rank over the ring's connections (its own
+    communicator once re-formed)."""
+    comm = ring_state(group_name).comm if group_name in _rings else None
+    if comm is None:
+        group = resolve_group(group_name)
+        dist.broadcast(flat, dist.get_global_rank(group, 0), group=group)
+        return
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    comm.broadcast([flat], options).wait()
 
 
 def flat_layout(specs: list[tuple[tuple[int, ...], torch.dtype]]):
@@ -208,14 +313,18 @@ def shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: i
         outgoing = pack(tensors, pooled)
         received = pool.take(outgoing.numel(), outgoing.dtype, outgoing) if pooled else \
             torch.empty_like(outgoing)
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, outgoing, ring.dst, ring.group, tag),
-            dist.P2POp(dist.irecv, received, ring.src, ring.group, tag)])
+        if ring.comm is None:
+            works = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, outgoing, ring.dst, ring.group, tag),
+                dist.P2POp(dist.irecv, received, ring.src, ring.group, tag)])
+        else:
+            works = [ring.comm.send([outgoing], ring.dst_in_group, tag),
+                     ring.comm.recv([received], ring.src_in_group, tag)]
     traffic["hops"] += 1
     traffic["bytes"] += outgoing.numel() * outgoing.element_size()
     hop = next(_handles)
-    _pending[hop] = _PendingShift(works, [outgoing], ring.timeout, where, (ring.dst, ring.src),
-                                  received)
+    _pending[hop] = _PendingShift(works, [outgoing, received], ring.timeout, where,
+                                  (ring.dst, ring.src), group_name)
     return hop
 
 
@@ -238,6 +347,8 @@ def wait_for_key(key: int) -> torch.Tensor:
             try:
                 work.wait(timeout)
             except RuntimeError as err:
+                ring_state(pending.group_name).abandoned.append(pending)
+                mark_broken(pending.group_name, f"a hop of {pending.where} failed")
                 raise RuntimeError(
                     f"rtp_compile: rank {dist.get_rank()} timed out or failed in the ring "
                     f"during {pending.where}, {doing} (timeout {timeout}). Rank {src} or "
@@ -247,11 +358,15 @@ def wait_for_key(key: int) -> torch.Tensor:
 
 def finish_leftover_hops() -> None:
     """Wait out every hop still in flight: those of a step that raised between a hop's start
-    and its wait (every rank of the ring started the same hops, so they complete). After it,
-    no receive is pending and nothing holds their buffers."""
+    and its wait (every rank of the ring started the same hops, so they complete); a broken
+    ring's are abandoned instead. After it, no receive is pending."""
     while _pending:
         key = next(iter(_pending))
-        _pending[key].where += " (left in flight by a step that raised)"
+        pending = _pending[key]
+        if ring_state(pending.group_name).broken is not None:
+            mark_broken(pending.group_name, "")  # abandons them
+            continue
+        pending.where += " (left in flight by a step that raised)"
         wait_for_key(key)
 
 
@@ -324,6 +439,8 @@ class JobCheck(Keyed):
                 not (dist.is_available() and dist.is_initialized()):
             return  # a one-rank program needs no process group
         group = resolve_group(self.group_name)
+        if self.world_size > 1:
+            recover(self.group_name)  # a ring a failed step broke
         size, actual = dist.get_world_size(group), dist.get_rank(group)
         if size != self.world_size:
             raise RuntimeError(
@@ -361,20 +478,20 @@ class BufferBroadcast(Keyed):
         if buffers:
             broadcast_buffers(self.rtp_key, list(buffers))
 
-    def broadcast(self, buffers: list[torch.Tensor]) -> None:
+    def copy_first_ranks(self, buffers: list[torch.Tensor]) -> None:
+        """`rtp::broadcast_buffers`: the first rank's values into `buffers`."""
         if not (dist.is_available() and dist.is_initialized()):
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for b in buffers:
             by_dtype.setdefault(b.dtype, []).append(b)
-        for group in map(resolve_group, self.group_names):
-            if dist.get_world_size(group) == 1:
+        for name in self.group_names:
+            if dist.get_world_size(resolve_group(name)) == 1:
                 continue
-            source = dist.get_global_rank(group, 0)
             with torch.no_grad():
                 for same in by_dtype.values():
                     flat = torch._utils._flatten_dense_tensors(same)
-                    dist.broadcast(flat, source, group=group)
+                    broadcast(flat, name)
                     for b, value in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
                         b.copy_(value)
 
@@ -393,7 +510,7 @@ def _(key):
 @graph_op("broadcast_buffers", mutates_args=("buffers",))
 def broadcast_buffers(key: str, buffers: list[torch.Tensor]) -> None:
     """Graph op: the first rank's `buffers`, by the `BufferBroadcast` registered under `key`."""
-    lookup(key).broadcast(buffers)
+    lookup(key).copy_first_ranks(buffers)
 
 
 @broadcast_buffers.op.register_fake

@@ -9,7 +9,8 @@ tensors, and an autograd engine callback at the end of the backward *commits*: t
 gradient plus the new one (`old.add_(new)`, the sum AccumulateGrad would have made, bitwise).
 A unit backward that raises (a failed hop, a failed step) rolls back at once (every `.grad` as
 it was, no hop in flight); a backward that raised in the model's own code, where no unit runs,
-is rolled back by the module's next forward, which also waits out the hops it left.
+is rolled back by the module's next forward. Either way the ring counts as broken (its peers
+may be waiting on this rank) and the next forward re-forms it (`ring.recover`).
 
 A module with data-parallel replicas (`runtime.replicas`) reduces this backward's gradients
 over them inside the transaction: the reduction begins when it opens, finishes before the commit
@@ -20,7 +21,6 @@ A `register_post_accumulate_grad_hook` on a shard sees only this backward's grad
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -35,10 +35,10 @@ class GradTransaction:
     pre-hook's work). `replicas`: the all-reduce of the shards' gradients over the module's
     data-parallel replicas, None without any."""
 
-    def __init__(self, replicas: ReplicaGradReduction | None = None):
+    def __init__(self, replicas: ReplicaGradReduction | None = None, group_name: str = ""):
         self.params: list[torch.Tensor] = []
         self.set_aside: list[torch.Tensor | None] | None = None  # open while not None
-        self.replicas = replicas
+        self.replicas, self.group_name = replicas, group_name
 
     def enter_forward(self, params: list[torch.Tensor]) -> None:
         """Called before every forward of the module: roll back a backward that raised without
@@ -71,6 +71,10 @@ class GradTransaction:
         self.set_aside = None
 
     def roll_back(self) -> None:
+        """Every shard's .grad as the backward found it. A backward that opened and did not
+        commit raised: its ring is broken (its peers may wait on this rank)."""
+        if self.set_aside is not None:
+            ring.mark_broken(self.group_name, "this rank's backward raised")
         if self.replicas is not None:
             self.replicas.abandon()
         for p, old in zip(self.params, self.set_aside or ()):
@@ -80,9 +84,8 @@ class GradTransaction:
 
 def transactional(backward):
     """Wrap a runtime module's backward method: open the transaction of the rank module it runs
-    in (`runtime.transaction`; None: none, e.g. a copy's); if the backward raises, roll it back
-    and wait out the hops it left in flight (every rank of the ring started the same ones;
-    where a peer is gone, waiting fails too and the first error is the one raised)."""
+    in (`runtime.transaction`; None: none, e.g. a copy's); if the backward raises, roll it back,
+    which breaks the ring (the next forward re-forms it) and abandons the hops left in flight."""
     @functools.wraps(backward)
     def wrapped(runtime, *args):
         transaction = runtime.transaction
@@ -92,8 +95,6 @@ def transactional(backward):
         try:
             return backward(runtime, *args)
         except BaseException:
-            transaction.roll_back()
-            with contextlib.suppress(Exception):
-                ring.finish_leftover_hops()
+            transaction.roll_back()  # breaks the ring: what is in flight is abandoned
             raise
     return wrapped
