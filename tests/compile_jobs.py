@@ -3,7 +3,11 @@ module trained next to the same rank's module under `torch.compile(..., fullgrap
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
+from functorch.compile import make_boxed_func
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import rtp_compile
 from jobs import loss_of, rel_err
@@ -27,7 +31,38 @@ def gpt_batch(seed: int, rank: int, step: int) -> torch.Tensor:
     return torch.randint(0, 48, (2, 16), generator=g)
 
 
-def compiled_next_to_eager(rank: int, model, make_batch, backend: str, steps: int, seed: int,
+def _received(node: fx.Node) -> bool:
+    """`node` is what a ring hop received (a `ring_wait` result), or a view of it."""
+    while node.op == "call_function":
+        if node.target is torch.ops.rtp.ring_wait.default:
+            return True
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+            return False
+        node = node.args[0]
+    return False
+
+
+def aot_eager_watching(received: dict):
+    """aot_eager (min-cut partitioner, the graphs run as traced) that records in `received`
+    how many tensors of the compiled forward a ring hop received ("in forward") and which of
+    them it saves for backward ("saved"; none may be: DESIGN.md 3.2, weights are re-fetched,
+    never saved)."""
+    def forward(gm, example_inputs):
+        received["in forward"] += sum(map(_received, gm.graph.nodes))
+        received["saved"] += [o.name for o in gm.graph.output_node().args[0]
+                              if isinstance(o, fx.Node) and _received(o)]
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=forward,
+            bw_compiler=lambda g, _: make_boxed_func(g.forward),
+            partition_fn=min_cut_rematerialization_partition)
+    return backend
+
+
+def compiled_next_to_eager(rank: int, model, make_batch, backend, steps: int, seed: int,
                            **options) -> dict:
     """`steps` of forward, backward and AdamW on rank `rank`'s module and on another copy of
     it compiled whole; the largest relative errors of the compiled one's outputs, gradients
@@ -35,7 +70,9 @@ def compiled_next_to_eager(rank: int, model, make_batch, backend: str, steps: in
     no recompile); how many buckets, gathered ops and activation checkpoints the module has."""
     prog = rtp_compile.transform(model, 2, **options)
     eager, plain = prog.module(rank), prog.module(rank)
-    counter = CompileCounterWithBackend(backend)
+    received = {"in forward": 0, "saved": []}
+    counter = CompileCounterWithBackend(
+        aot_eager_watching(received) if backend == "aot_eager" else backend)
     compiled = torch.compile(plain, backend=counter, fullgraph=True)
     opts = [torch.optim.AdamW(m.parameters(), lr=LR, eps=1e-6) for m in (eager, plain)]
     errors = {"output": 0.0, "grad": 0.0, "param": 0.0}
@@ -54,7 +91,7 @@ def compiled_next_to_eager(rank: int, model, make_batch, backend: str, steps: in
     errors["param"] = max(rel_err(q.float(), p.float(), LR) for p, q in zip(
         [*eager.parameters(), *eager.buffers()], [*plain.parameters(), *plain.buffers()]))
     kinds = (BucketRuntime, GatheredOpRuntime, CheckpointedRegion)
-    return {**errors, "frames": counter.frame_count,
+    return {**errors, "frames": counter.frame_count, "received": received,
             **{kind.__name__: sum(isinstance(m, kind) for m in plain.modules())
                for kind in kinds}}
 

@@ -1,7 +1,7 @@
 """A rank's module compiles whole: `torch.compile(prog.module(rank), fullgraph=True)` traces
 its ring ops and every unit's autograd into one graph (a break or an untraceable op would
 raise), compiles it once for calls of the same shapes (two calls, one frame), and trains like
-the eager module (2 ranks, AdamW)."""
+the eager module (2 ranks, AdamW) without saving a received shard for backward."""
 import pytest
 
 import rtp_compile
@@ -21,6 +21,7 @@ def test_rank_module_compiles_whole_with_aot_eager(seed):
         assert per_model["checkpointed"]["CheckpointedRegion"]
         for name, r in per_model.items():
             assert r["frames"] == 1, f"rank {rank} {name}: {r['frames']} frames compiled"
+            assert r["received"]["in forward"] and not r["received"]["saved"], (rank, name, r)
             for what in ("output", "grad", "param"):
                 assert r[what] <= F64, f"rank {rank} {name}: {what} rel. error {r[what]:.2e}"
 
