@@ -7,8 +7,9 @@ computed (`unit_step`: codegen traces the rule's step for the shard the rank hol
 waited on (`ring_wait`, which returns what arrived: nothing reads it before), the pooled
 buffers released after the last one (`ring_release`), the views of what arrived taken; then
 `unit_combine` (codegen concatenates the parts in shard order or sums them as the steps go) and
-`unit_autograd` (the unit's runtime module, which links the result into autograd). Each unit's backward is a list of events with their tags, in
-`ctx.schedules` (`runtime.events.UnitSchedule`): the runtime executes it as given.
+`unit_autograd` (the unit's runtime module, which links the result into autograd). Each
+unit's backward is a list of events with their tags, in `ctx.schedules`
+(`runtime.events.UnitSchedule`): the runtime executes it as given.
 
 Forward, step k holds shard (rank - k) mod N; at most two shards of a unit (held + incoming)
 exist besides the rank's own. Backward runs the steps in reverse (step j holds shard

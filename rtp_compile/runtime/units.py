@@ -87,8 +87,7 @@ class _UnitGrad(torch.autograd.Function):
         # in a bucket the shards' gradients go into the bucket's rows; the ticket's gradient
         # (zero) makes the bucket's backward wait for every unit's
         need_dx, own_needs = needs[4], needs[5:5 + n_own]
-        grads = iter(unit_backward(ctx.key, dy, *encode(values), need_dx,
-                                                 any(own_needs)))
+        grads = iter(unit_backward(ctx.key, dy, *encode(values), need_dx, any(own_needs)))
         d_ticket = next(grads) if ticket is not None else None
         dx = next(grads) if need_dx else None
         own = [next(grads) if any(own_needs) and ticket is None else None for _ in own_needs]
@@ -286,8 +285,8 @@ def ring_all_gather(own: list[torch.Tensor], layouts, rank: int, world_size: int
     shards = {rank: own}
     held = own
     for k in range(1, world_size):
-        received = ring.wait(ring.shift_start(held, group_name, 1, tag, f"{where}: gather hop {k}"))
-        held = shards[(rank - k) % world_size] = ring.unpack(received, ring.specs_of(own))
+        hop = ring.shift_start(held, group_name, 1, tag, f"{where}: gather hop {k}")
+        held = shards[(rank - k) % world_size] = ring.unpack(ring.wait(hop), ring.specs_of(own))
     ring.pool.release()
     return [lay.unshard([shards[s][i] for s in range(world_size)])
             for i, lay in enumerate(layouts)]
@@ -327,7 +326,7 @@ class _GatherGrad(torch.autograd.Function):
     tensor, not a tuple."""
 
     @staticmethod
-    def forward(ctx, key, n_inputs, single, *values):
+    def forward(ctx, key, single, *values):
         ctx.key = key
         _save(ctx, values)  # inputs and own shards; the gathered tensors are freed
         outputs = gathered_forward(key, *encode(values))
@@ -336,10 +335,9 @@ class _GatherGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *douts):
         values = _saved(ctx)
-        needs = ctx.needs_input_grad[3:]
-        grads = iter(gathered_backward(ctx.key, list(douts), *encode(values),
-                                                     list(needs)))
-        return (None, None, None, *[next(grads) if need else None for need in needs])
+        needs = ctx.needs_input_grad[2:]
+        grads = iter(gathered_backward(ctx.key, list(douts), *encode(values), list(needs)))
+        return (None, None, *[next(grads) if need else None for need in needs])
 
 
 class GatheredOpRuntime(Keyed):
@@ -424,11 +422,10 @@ class GatheredOpRuntime(Keyed):
                                    self.grad_scale, self.precision.reduce(self.layouts[0].dtype))
 
     def forward(self, *tensors):
-        n_inputs = len(tensors) - len(self.param_names)
         if not torch.is_grad_enabled():
             outputs = gathered_forward(self.rtp_key, *encode(tensors))
             return outputs[0] if self.single else tuple(outputs)
-        return _GatherGrad.apply(self.rtp_key, n_inputs, self.single, *tensors)
+        return _GatherGrad.apply(self.rtp_key, self.single, *tensors)
 
 
 def _without_parameters(body: nn.Module, param_names: list[str]):
