@@ -29,6 +29,7 @@ from rtp_compile.runtime.graph_ops import add_into
 from rtp_compile.runtime.fused import LINEAR, FusedBlockRuntime, head_groups, sub_roles
 from rtp_compile.runtime import ring
 from rtp_compile.runtime.replicas import ReplicaGradReduction
+from rtp_compile.runtime.registry import Keyed
 from rtp_compile.runtime.ring import BufferBroadcast, JobCheck
 from rtp_compile.runtime.transaction import GradTransaction
 from rtp_compile.runtime.units import GatheredOpRuntime, RotatedOpRuntime, SmallParamsGather
@@ -79,6 +80,7 @@ class RankEmitter:
         self.units = {u.name: u for u in self.plan.units}
         self.saved: dict[str, dict[int, list[fx.Node]]] = {}  # fused unit -> shard -> heads
         self.buckets: dict[str, BucketRuntime] = {}
+        self.tickets: dict[str, fx.Node] = {}  # bucket -> its forward's ticket
         self.graph = fx.Graph()
         self.graph._codegen = copy.deepcopy(program_gm.graph._codegen)
         self.tracer = LabellingTracer(self.graph)
@@ -121,6 +123,9 @@ class RankEmitter:
         gm.register_forward_hook(_finish_forward, always_call=True)
         # a backward that raises leaves every shard's .grad as it was (runtime.transaction)
         gm.rtp_grads = GradTransaction(self._replica_reduction(gm), self.group_name)
+        for module in gm.modules():  # the runtime modules whose backwards open it
+            if isinstance(module, Keyed):
+                module.transaction = gm.rtp_grads
         gm.register_forward_pre_hook(_enter_grad_transaction)
         return gm
 
@@ -273,9 +278,12 @@ class RankEmitter:
                                                           *common)
             keep = []
         bucket = self.ctx.schedules[name].bucket
+        ticket = {}
         if bucket is not None:  # not a submodule: the bucket's runtime is rtp_buckets.<name>
             self.root[f"rtp_units.{name}"].__dict__["bucket"] = self.buckets[bucket]
-        out = self.graph.call_module(f"rtp_units.{name}", (*[env[a] for a in args], *keep))
+            ticket = {"ticket": self.tickets[bucket]}
+        out = self.graph.call_module(f"rtp_units.{name}", (*[env[a] for a in args], *keep),
+                                     ticket)
         out.meta.update(node.meta)
         return out
 
@@ -321,13 +329,20 @@ class RankEmitter:
         self.root[f"rtp_buckets.{name}"] = runtime
         out = self.graph.call_module(f"rtp_buckets.{name}", tuple(env[a] for a in params))
         out.meta.update(node.meta)
+        self.tickets[name] = self.graph.call_function(operator.getitem, (out, len(params)))
+        self.tickets[name].meta.update(node.meta)
+        self.tickets[name]._rename(f"{name}_ticket")
         return out
 
 
+# The module's hooks run eagerly around a compiled forward too: traced, each would be a frame
+# compiled per module, guarded on the hops in flight and the shards' gradients.
+@torch.compiler.disable
 def _forward_returned(module, args, output) -> None:
     module.rtp_forward_returned = True
 
 
+@torch.compiler.disable
 def _finish_forward(module, args, output) -> None:
     """After every forward, also one that raised: no hop left in flight; a forward that raised
     (`_forward_returned` did not run) breaks the ring, whose peers may wait on this rank."""
@@ -336,6 +351,7 @@ def _finish_forward(module, args, output) -> None:
     ring.finish_leftover_hops()
 
 
+@torch.compiler.disable
 def _enter_grad_transaction(module, args) -> None:
     module.rtp_forward_returned = False
     module.rtp_grads.enter_forward(list(module.parameters()))

@@ -264,9 +264,10 @@ def test_ring_ops_have_fake_implementations():
     from rtp_compile.runtime.ring import unpack
     with FakeTensorMode():
         w, b = torch.empty(3, 4), torch.empty(3)
-        received = torch.ops.rtp.ring_shift_start([w, b], "", 1, 0, "fake")
-        torch.ops.rtp.ring_wait(received)
+        hop = torch.ops.rtp.ring_shift_start([w, b], "", 1, 0, "fake")
+        received = torch.ops.rtp.ring_wait(hop, [w, b])
         views = unpack(received, [((3, 4), torch.float64), ((3,), torch.float64)])
+    assert hop.shape == () and hop.dtype == torch.int64
     assert received.shape == (15,) and [v.shape for v in views] == [(3, 4), (3,)]
 
 

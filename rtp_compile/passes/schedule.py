@@ -4,11 +4,12 @@ The last pass before codegen, and rank-independent. Each rotated or fused unit m
 its forward steps: the unit's input and own shards detached, then for k = 0 .. N-1 the hop that
 brings step k+1's shard started (`torch.ops.rtp.ring_shift_start`, with its message tag), step k
 computed (`unit_step`: codegen traces the rule's step for the shard the rank holds), the hop
-waited on (`ring_wait`), the pooled buffers released after the last one (`ring_release`), the
-views of what arrived taken; then `unit_combine` (codegen concatenates the parts in shard order
-or sums them as the steps go) and `unit_autograd` (the unit's runtime module, which links the
-result into autograd). Each unit's backward is a list of events with their tags, in
-`ctx.schedules` (`runtime.events.UnitSchedule`): the runtime executes it as given.
+waited on (`ring_wait`, which returns what arrived: nothing reads it before), the pooled
+buffers released after the last one (`ring_release`), the views of what arrived taken; then
+`unit_combine` (codegen concatenates the parts in shard order or sums them as the steps go) and
+`unit_autograd` (the unit's runtime module, which links the result into autograd). Each
+unit's backward is a list of events with their tags, in `ctx.schedules`
+(`runtime.events.UnitSchedule`): the runtime executes it as given.
 
 Forward, step k holds shard (rank - k) mod N; at most two shards of a unit (held + incoming)
 exist besides the rank's own. Backward runs the steps in reverse (step j holds shard
@@ -274,13 +275,13 @@ def _expand(graph: fx.Graph, members: list[_Member], n: int, tag: int,
                                   name=f"{hop}_recv{k}")
                 if k == 1:
                     first.append(received)
-            elif event.action == "wait":
-                create("call_function", torch.ops.rtp.ring_wait.default, (received,), {},
-                       name=f"{hop}_wait{k}")
+            elif event.action == "wait":  # what arrived is read only through the wait
+                arrival = create("call_function", torch.ops.rtp.ring_wait.default,
+                                 (received, held), {}, name=f"{hop}_wait{k}")
                 if k == n - 1:  # the last hop: no buffer waits idle through compute
-                    create("call_function", torch.ops.rtp.ring_release.default, (), {},
+                    create("call_function", torch.ops.rtp.ring_release.default, (arrival,), {},
                            name=f"{hop}_release")
-                held = [v.node for v in ring.unpack(fx.Proxy(received, tracer), specs)]
+                held = [v.node for v in ring.unpack(fx.Proxy(arrival, tracer), specs)]
                 arrived[k], at = {}, 0
                 for m in members:
                     arrived[k][m.unit.name] = held[at:at + len(m.specs)]

@@ -2,24 +2,28 @@
 
 Forward, the emitted graph runs the hops within the bucket's first unit and keeps what arrived
 for the later ones. `BucketRuntime` is what the bucket's parameters pass through before its
-units read them: each forward makes a `BucketState`, which the units' autograd takes along.
+units read them: each forward makes a `BucketState`, found by the forward's ticket (a 0-dim
+tensor the units' autograd takes along and saves) until its backward is over.
 Backward, whichever unit of the bucket runs first drives the weight fetches (one message per
 step for all of them, kept until every unit of the bucket is done: the bucket held gathered),
 each unit adds its gradient of every shard into the bucket's gradient rows (one flat message
 per shard), and once autograd has run every unit, the parameters' pass-through reduce-scatters
-the rows around the ring, one message per hop, into each rank's own shards' gradients.
+the rows around the ring, one message per hop, into each rank's own shards' gradients. Each
+unit's backward gives the ticket a (zero) gradient, so that also a compiled backward graph runs
+the reduce-scatter after every unit of the bucket.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
-from torch import nn
 
 from rtp_compile.layout import real_part
 from rtp_compile.runtime import ring, transaction
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
 from rtp_compile.runtime.precision import Precision
+from rtp_compile.runtime.registry import Keyed, graph_op, lookup
 
 
 class BucketState:
@@ -51,8 +55,7 @@ class BucketState:
     def fetch_wait(self, step: int) -> None:
         if step in self.fetched:
             return
-        ring.wait(self.incoming[step])
-        self.fetched[step] = ring.unpack(self.incoming.pop(step), self.runtime.specs)
+        self.fetched[step] = ring.unpack(ring.wait(self.incoming.pop(step)), self.runtime.specs)
         if step == self.runtime.world_size - 2:  # the last weight hop of the bucket
             ring.pool.release()
 
@@ -95,8 +98,7 @@ class BucketState:
                                         f"{rt.bucket_name} backward: gradient hop {j}",
                                         pooled=False)
             rows[backward_shard(rank, j - 1, n)] = None  # sent: nothing else reads it
-            ring.wait(incoming)
-            acc = incoming.add_(rows[backward_shard(rank, j, n)])
+            acc = ring.wait(incoming).add_(rows[backward_shard(rank, j, n)])
         if rt.grad_scale != 1:
             acc.mul_(rt.grad_scale)
         # each gradient its own tensor: autograd keeps some of a message's views as .grad and
@@ -106,32 +108,38 @@ class BucketState:
                 for g, lay in zip(ring.unpack(acc, rt.grad_specs), rt.layouts)]
 
 
+KEPT_STATES = 1024
+
+
 class _BucketParams(torch.autograd.Function):
-    """Forward: the bucket's own shards as they are. Backward: runs after every unit of the
-    bucket (they all read its outputs), whose gradients went into the bucket's rows, not
-    through autograd: the reduce-scatter of the rows."""
+    """Forward: the bucket's own shards as they are, and the forward's ticket
+    (`rtp::bucket_forward`). Backward: runs after every unit of the bucket (they all read its
+    outputs and give the ticket a gradient), whose gradients went into the bucket's rows, not
+    through autograd: the reduce-scatter of the rows (`rtp::bucket_reduce_scatter`)."""
 
     @staticmethod
-    def forward(ctx, state, *own):
-        ctx.state, ctx.transaction = state, transaction.current()
+    def forward(ctx, key, *own):
+        ticket = bucket_forward(key, list(own))
+        ctx.key = key
+        ctx.save_for_backward(ticket)
         ctx.set_materialize_grads(False)
-        return tuple(o.view_as(o) for o in own)
+        return (*[o.view_as(o) for o in own], ticket)
 
     @staticmethod
-    @transaction.transactional
-    def backward(ctx, *ignored):
-        grads = ctx.state.reduce_scatter()
-        needs = ctx.needs_input_grad[1:]
-        if grads is None:
-            return (None,) * (1 + len(needs))
-        return (None, *[g if need else None for g, need in zip(grads, needs)])
+    def backward(ctx, *grads):
+        (ticket,) = ctx.saved_tensors
+        d_ticket = grads[-1] if grads[-1] is not None else torch.zeros_like(ticket)
+        shards = bucket_reduce_scatter(ctx.key, ticket, d_ticket)
+        return (None, *[g if need else None for g, need in zip(shards,
+                                                               ctx.needs_input_grad[1:])])
 
 
-class BucketRuntime(nn.Module):
+class BucketRuntime(Keyed):
     """Runtime of one bucket on one rank; its units' runtimes refer to it (`unit.bucket`).
 
     `units`: (unit name, number of parameters) in bucket order; `layouts`: the parameters'
-    layouts in the same order; `schedule`: the bucket's first unit's (its tags)."""
+    layouts in the same order; `schedule`: the bucket's first unit's (its tags). Called on the
+    own shards, it returns them and the ticket of this forward (None without autograd)."""
 
     def __init__(self, name, units, layouts, rank, world_size, group_name,
                  schedule: UnitSchedule, grad_scale, precision: Precision):
@@ -147,13 +155,78 @@ class BucketRuntime(nn.Module):
         for unit, count in units:
             self.slices[unit] = slice(at, at + count)
             at += count
-        self.current: BucketState | None = None
+        self.states: dict[int, BucketState] = {}  # per forward whose backward is to come
+        self._tickets = itertools.count()
+        self.register(name)
 
     def extra_repr(self) -> str:
         return f"bucket of {', '.join(self.slices)}; rank {self.rank} of {self.world_size}"
 
+    def open(self, own: list[torch.Tensor]) -> torch.Tensor:
+        """`rtp::bucket_forward`: a new forward's state, and its ticket. A state costs no
+        tensor memory until its backward runs (it holds the shards' aliases); of forwards
+        whose backward never runs, the newest `KEPT_STATES` are kept."""
+        number = next(self._tickets)
+        self.states[number] = BucketState(self, [o.detach() for o in own])
+        self.states.pop(number - KEPT_STATES, None)
+        return torch.tensor(float(number), dtype=torch.float64, device=own[0].device)
+
+    def state(self, ticket: torch.Tensor) -> BucketState:
+        """The state of the forward `ticket` names."""
+        state = self.states.get(int(ticket))
+        if state is None:
+            raise RuntimeError(
+                f"rtp_compile: bucket {self.bucket_name}: the backward of a forward {KEPT_STATES} "
+                "or more forwards ago runs after its state was dropped (or a second time); "
+                "call backward before running the module that many more times")
+        return state
+
+    @transaction.transactional
+    def reduce_scatter(self, ticket: torch.Tensor) -> list[torch.Tensor]:
+        """`rtp::bucket_reduce_scatter`: the own shards' gradients of the ticket's forward
+        (zeros where no unit computed one); its backward is over, so is its state."""
+        grads = self.state(ticket).reduce_scatter()
+        self.states.pop(int(ticket))
+        if grads is None:
+            return [torch.zeros(lay.shard_shape, dtype=lay.dtype, device=ticket.device)
+                    for lay in self.layouts]
+        return grads
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        state.pop("_tickets")
+        state["states"] = {}
+        return state
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._tickets = itertools.count()
+
     def forward(self, *own):
-        self.current = BucketState(self, [o.detach() for o in own])
         if not torch.is_grad_enabled() or not any(o.requires_grad for o in own):
-            return tuple(own)
-        return _BucketParams.apply(self.current, *own)
+            return (*own, None)
+        return _BucketParams.apply(self.rtp_key, *own)
+
+
+@graph_op("bucket_forward")
+def bucket_forward(key: str, own: list[torch.Tensor]) -> torch.Tensor:
+    """Graph op: a forward of the bucket registered under `key`; its ticket."""
+    return lookup(key).open(own)
+
+
+@bucket_forward.op.register_fake
+def _(key, own):
+    return own[0].new_empty((), dtype=torch.float64)
+
+
+@graph_op("bucket_reduce_scatter")
+def bucket_reduce_scatter(key: str, ticket: torch.Tensor,
+                          units_done: torch.Tensor) -> list[torch.Tensor]:
+    """Graph op: the own shards' gradients of the bucket `key`'s forward `ticket`, once every
+    unit has added its own into the rows (`units_done`: the ticket's gradient)."""
+    return lookup(key).reduce_scatter(ticket)
+
+
+@bucket_reduce_scatter.op.register_fake
+def _(key, ticket, units_done):
+    return [ticket.new_empty(lay.shard_shape, dtype=lay.dtype) for lay in lookup(key).layouts]

@@ -45,7 +45,7 @@ class FusedBlockRuntime(UnitRuntime):
         return (f"fused block: {len(self.head_options)} column-split linear(s) -> {what} -> "
                 f"row-split linear, hidden {self.hidden}; rank {self.rank} of {self.world_size}")
 
-    def forward(self, y, x, *tensors):
+    def forward(self, y, x, *tensors, ticket=None):
         """As UnitRuntime's, after the rank's own shards: the region's externals, then the head
         outputs of each step that held real groups."""
         externals = tensors[len(self.roles):len(self.roles) + self.n_externals]
@@ -54,7 +54,7 @@ class FusedBlockRuntime(UnitRuntime):
             raise RuntimeError(f"rtp_compile: fused block {self.unit_name} reads a value that "
                                "requires grad from outside the block (the planner only allows "
                                "values that carry no gradient); compile with fuse=False")
-        return super().forward(y, x, *tensors)
+        return super().forward(y, x, *tensors, ticket=ticket)
 
     def _width(self, slots) -> int:
         return slots["tail.weight"].valid

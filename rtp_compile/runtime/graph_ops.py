@@ -71,8 +71,9 @@ def add_into(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     """total + part, written into `total` when nothing else can see it: no other tensor shares
     its storage, it takes no gradient, and the sum keeps its shape and dtype (a unit's running
     sum of its step outputs, computed outside autograd); else a new tensor. Bitwise the same
-    either way."""
-    if not total.requires_grad and total.shape == torch.broadcast_shapes(total.shape, part.shape) \
+    either way. In a compiled graph a new tensor: the compiler plans the memory itself."""
+    if not torch.compiler.is_compiling() and not total.requires_grad \
+            and total.shape == torch.broadcast_shapes(total.shape, part.shape) \
             and total.dtype == torch.result_type(total, part) \
             and torch._C._storage_Use_Count(total.untyped_storage()._cdata) <= 2:
         return total.add_(part)

@@ -1,10 +1,14 @@
 """Ring communication for rotation units: shift a list of shards one hop around the ring.
 
-`ring_shift_start` sends the given tensors to rank (r + shift) and receives same-shaped tensors
-from rank (r - shift), all of them as one flat message; `ring_wait` blocks until both directions
-finished. They are
-`torch.library` custom ops (with fake implementations) so emitted graphs stay traceable; the
-pending work lives in a registry keyed by the receive buffers, as functional collectives do.
+`ring_shift_start` sends the given tensors to rank (r + shift) and starts receiving same-shaped
+tensors from rank (r - shift), all of them as one flat message; it returns the hop's handle (a
+0-dim int64 tensor). `ring_wait(hop, sent)` blocks until both directions finished and returns
+the received message. They are functional `torch.library` custom ops (with fake
+implementations), so emitted graphs trace, functionalize and compile like any graph: the
+receive buffer is never a graph value before its wait (no compiler can read it early), the
+pending work is found by the handle's value (a compiler may copy or move the handle), and
+`sent` keeps what the hop sends alive in the graph until the wait (a compiler may not reuse its
+memory while it is being sent).
 
 A ring whose hop failed (a peer that timed out, died or raised alone) cannot go on over the
 same connections: gloo closes a pair whose wait timed out, and the hops a failed step left
@@ -18,12 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import math
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from rtp_compile.runtime.registry import Keyed, effectful, graph_op, lookup
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -37,8 +44,14 @@ class _PendingShift:
     peers: tuple[int, int]  # (sends to, receives from): global ranks
     group_name: str
 
+    @property
+    def received(self) -> torch.Tensor:
+        """The receive buffer: filled once the hop is done, handed out by its wait."""
+        return self.buffers[1]
 
-_pending: dict[int, _PendingShift] = {}
+
+_pending: dict[int, _PendingShift] = {}  # hop handle -> its work
+_handles = itertools.count()
 traffic = {"hops": 0, "bytes": 0}  # what this process sent around the ring (benchmarks read it)
 
 
@@ -290,11 +303,11 @@ def labelled(what: str):
 
 
 def shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: int,
-                where: str, pooled: bool = True) -> torch.Tensor:
+                where: str, pooled: bool = True) -> int:
     """Start sending `tensors` to rank r+shift and receiving their successors from r-shift, as
-    one flat message; returns the (not yet filled) flat receive buffer, see `unpack`. Weights
-    travel in pooled buffers; gradient accumulators (`pooled=False`) in their own, since the
-    last one becomes the parameters' gradients."""
+    one flat message; returns the hop's handle, which `wait` turns into the received message
+    (see `unpack`). Weights travel in pooled buffers; gradient accumulators (`pooled=False`) in
+    their own, since the last one becomes the parameters' gradients."""
     ring = peers(group_name, shift)
     with labelled(f"rtp.send {where}"):
         outgoing = pack(tensors, pooled)
@@ -309,21 +322,23 @@ def shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: i
                      ring.comm.recv([received], ring.src_in_group, tag)]
     traffic["hops"] += 1
     traffic["bytes"] += outgoing.numel() * outgoing.element_size()
-    _pending[received.untyped_storage().data_ptr()] = _PendingShift(
-        works, [outgoing, received], ring.timeout, where, (ring.dst, ring.src), group_name)
-    return received
+    hop = next(_handles)
+    _pending[hop] = _PendingShift(works, [outgoing, received], ring.timeout, where,
+                                  (ring.dst, ring.src), group_name)
+    return hop
 
 
-def wait(received: torch.Tensor) -> None:
-    """Block until the shift that produced `received` has finished, within the group timeout."""
-    wait_for_key(received.untyped_storage().data_ptr())
+def wait(hop: int) -> torch.Tensor:
+    """Block until hop `hop` (a `shift_start` handle) has finished, within the group timeout;
+    the message it received."""
+    return wait_for_key(hop)
 
 
-def wait_for_key(key: int) -> None:
-    """`wait` for the shift registered under `key` (its receive buffer's storage pointer)."""
+def wait_for_key(key: int) -> torch.Tensor:
+    """`wait` for the hop registered under `key` (its handle)."""
     pending = _pending.pop(key, None)
     if pending is None:
-        raise RuntimeError("rtp_compile: ring_wait on buffers with no shift in flight")
+        raise RuntimeError(f"rtp_compile: ring_wait on hop {key}, which is not in flight")
     timeout = pending.timeout
     dst, src = pending.peers
     with labelled(f"rtp.wait {pending.where}"):
@@ -338,6 +353,7 @@ def wait_for_key(key: int) -> None:
                     f"rtp_compile: rank {dist.get_rank()} timed out or failed in the ring "
                     f"during {pending.where}, {doing} (timeout {timeout}). Rank {src} or "
                     f"{dst} probably failed, left, or runs a different program: {err}") from err
+    return pending.received
 
 
 def finish_leftover_hops() -> None:
@@ -357,40 +373,41 @@ def finish_leftover_hops() -> None:
 @torch.library.custom_op("rtp::ring_shift_start", mutates_args=())
 def ring_shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: int,
                      where: str) -> torch.Tensor:
-    """Graph op: start one ring hop of `tensors`; returns the (not yet filled) flat receive
-    buffer, which `unpack` views as tensors like `tensors`."""
-    return shift_start(tensors, group_name, shift, tag, where)
+    """Graph op: start one ring hop of `tensors`; returns its handle for `ring_wait`."""
+    return torch.tensor(shift_start(tensors, group_name, shift, tag, where))
 
 
 @ring_shift_start.register_fake
 def _(tensors, group_name, shift, tag, where):
-    dtype, total, _ = flat_layout(specs_of(tensors))
-    return tensors[0].new_empty(total, dtype=dtype)
+    return torch.empty((), dtype=torch.int64, device="cpu")
 
 
-@torch.library.custom_op("rtp::ring_wait", mutates_args=("received",))
-def ring_wait(received: torch.Tensor) -> None:
-    """Graph op: wait for the hop that fills `received` (and for our own send to finish)."""
-    wait(received)
+@torch.library.custom_op("rtp::ring_wait", mutates_args=())
+def ring_wait(hop: torch.Tensor, sent: list[torch.Tensor]) -> torch.Tensor:
+    """Graph op: wait for hop `hop` (and for our own send of `sent` to finish); returns the
+    flat message it received, which `unpack` views as tensors like `sent`."""
+    return wait(int(hop))
 
 
 @ring_wait.register_fake
-def _(received):
-    return None
+def _(hop, sent):
+    dtype, total, _ = flat_layout(specs_of(sent))
+    return sent[0].new_empty(total, dtype=dtype)
 
 
 @torch.library.custom_op("rtp::ring_release", mutates_args=())
-def ring_release() -> None:
-    """Graph op, after a unit's last hop: the pooled weight buffers are let go."""
+def ring_release(after: torch.Tensor) -> None:
+    """Graph op, after a unit's last hop (`after`: what it received): the pooled weight
+    buffers are let go."""
     pool.release()
 
 
 @ring_release.register_fake
-def _():
+def _(after):
     return None
 
 
-class JobCheck(torch.nn.Module):
+class JobCheck(Keyed):
     """First op of every rank's module: the job must match the program before any
     communication. Also where the module's job is kept (`codegen.job_of`): its ring (world
     size, rank, group name) and, on a 2-D mesh, its place among the data-parallel replicas
@@ -404,6 +421,7 @@ class JobCheck(torch.nn.Module):
         self.world_size, self.rank, self.group_name = world_size, rank, group_name
         self.replica, self.replicas = replica, replicas
         self.replica_group_name = replica_group_name
+        self.register("job")
 
     def extra_repr(self) -> str:
         ring = f"rank {self.rank} of {self.world_size}, group {self.group_name or 'WORLD'!r}"
@@ -413,6 +431,9 @@ class JobCheck(torch.nn.Module):
                f"{self.replica_group_name!r}"
 
     def forward(self) -> None:
+        check_job(self.rtp_key)
+
+    def check(self) -> None:
         finish_leftover_hops()  # of a step before that raised after starting a hop
         if self.world_size == 1 and self.replica_group_name is None and \
                 not (dist.is_available() and dist.is_initialized()):
@@ -441,7 +462,7 @@ class JobCheck(torch.nn.Module):
                     f"{dist.get_world_size(replicas)}. Use prog.module(mesh=mesh) on every rank.")
 
 
-class BufferBroadcast(torch.nn.Module):
+class BufferBroadcast(Keyed):
     """DDP's `broadcast_buffers`: before each forward every rank takes the buffers (BatchNorm
     statistics, rotary caches, position ids) of the first rank, one broadcast per dtype and
     group. `group_names`: the ring's group, then on a 2-D mesh the replicas': every ring takes
@@ -451,9 +472,15 @@ class BufferBroadcast(torch.nn.Module):
     def __init__(self, group_names: tuple[str, ...]):
         super().__init__()
         self.group_names = group_names
+        self.register("buffers")
 
     def forward(self, *buffers: torch.Tensor) -> None:
-        if not buffers or not (dist.is_available() and dist.is_initialized()):
+        if buffers:
+            broadcast_buffers(self.rtp_key, list(buffers))
+
+    def copy_first_ranks(self, buffers: list[torch.Tensor]) -> None:
+        """`rtp::broadcast_buffers`: the first rank's values into `buffers`."""
+        if not (dist.is_available() and dist.is_initialized()):
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for b in buffers:
@@ -467,3 +494,28 @@ class BufferBroadcast(torch.nn.Module):
                     broadcast(flat, name)
                     for b, value in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
                         b.copy_(value)
+
+
+@graph_op("check_job")
+def check_job(key: str) -> None:
+    """Graph op, first in every rank's module: its `JobCheck` (registered under `key`)."""
+    lookup(key).check()
+
+
+@check_job.op.register_fake
+def _(key):
+    return None
+
+
+@graph_op("broadcast_buffers", mutates_args=("buffers",))
+def broadcast_buffers(key: str, buffers: list[torch.Tensor]) -> None:
+    """Graph op: the first rank's `buffers`, by the `BufferBroadcast` registered under `key`."""
+    lookup(key).copy_first_ranks(buffers)
+
+
+@broadcast_buffers.op.register_fake
+def _(key, buffers):
+    return None
+
+
+effectful(torch.ops.rtp.ring_shift_start, torch.ops.rtp.ring_wait, torch.ops.rtp.ring_release)

@@ -28,13 +28,12 @@ import torch
 from rtp_compile.runtime import ring
 from rtp_compile.runtime.replicas import ReplicaGradReduction
 
-_current: GradTransaction | None = None  # the transaction of the rank module running forward
-
 
 class GradTransaction:
-    """The gradient transaction of one rank module's shards (kept on the module as `rtp_grads`;
-    `enter_forward` is its forward pre-hook's work). `replicas`: the all-reduce of the shards'
-    gradients over the module's data-parallel replicas, None without any."""
+    """The gradient transaction of one rank module's shards (kept on the module as `rtp_grads`,
+    and by each of its runtime modules as `transaction`; `enter_forward` is its forward
+    pre-hook's work). `replicas`: the all-reduce of the shards' gradients over the module's
+    data-parallel replicas, None without any."""
 
     def __init__(self, replicas: ReplicaGradReduction | None = None, group_name: str = ""):
         self.params: list[torch.Tensor] = []
@@ -43,11 +42,9 @@ class GradTransaction:
 
     def enter_forward(self, params: list[torch.Tensor]) -> None:
         """Called before every forward of the module: roll back a backward that raised without
-        committing, and make this the transaction the forward's units join."""
-        global _current
+        committing; `params`: the shards it keeps."""
         self.roll_back()
         self.params = params
-        _current = self
 
     def open(self) -> None:
         """Called first by every unit backward; the first of a backward pass sets the shards'
@@ -85,23 +82,18 @@ class GradTransaction:
         self.set_aside = None
 
 
-def current() -> GradTransaction | None:
-    """The transaction a unit's forward joins (its module's), None outside rank modules."""
-    return _current
-
-
 def transactional(backward):
-    """Wrap a unit's autograd.Function backward: open the transaction its forward saved in
-    `ctx.transaction` (None: none); if the backward raises, roll it back, which breaks the ring
-    (the next forward re-forms it) and abandons the hops left in flight."""
+    """Wrap a runtime module's backward method: open the transaction of the rank module it runs
+    in (`runtime.transaction`; None: none, e.g. a copy's); if the backward raises, roll it back,
+    which breaks the ring (the next forward re-forms it) and abandons the hops left in flight."""
     @functools.wraps(backward)
-    def wrapped(ctx, *grads):
-        transaction = getattr(ctx, "transaction", None)
+    def wrapped(runtime, *args):
+        transaction = runtime.transaction
         if transaction is None:
-            return backward(ctx, *grads)
+            return backward(runtime, *args)
         transaction.open()
         try:
-            return backward(ctx, *grads)
+            return backward(runtime, *args)
         except BaseException:
             transaction.roll_back()  # breaks the ring: what is in flight is abandoned
             raise

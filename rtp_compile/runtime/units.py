@@ -9,18 +9,26 @@ arrives complete, averaged like DDP's, at the rank that owns it.
 `GatheredOpRuntime` is the fallback for ops without a rule: ring all-gather of the parameters,
 run the op once, free; backward gathers again, recomputes the op, and ring-reduce-scatters the
 gradient.
+
+So that a compiler can trace a rank's whole module (`torch.compile(gm, fullgraph=True)`), the
+autograd Functions here hold no Python object: each passes its runtime module's key
+(`registry.Keyed`) and what it saved to one custom op per backward (and per communicating
+forward), whose implementation finds the module and runs it eagerly.
 """
 from __future__ import annotations
 
 import copy
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from rtp_compile.layout import real_part
 from rtp_compile.runtime import ring, transaction
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
 from rtp_compile.runtime.precision import Precision
+from rtp_compile.runtime.registry import (Keyed, autograd_in_op, decode, distinct, encode,
+                                          graph_op, lookup)
 
 
 class GradientRing:
@@ -42,8 +50,7 @@ class GradientRing:
             dtype, total, _ = ring.flat_layout(specs)
             self.acc = ring.unpack(self.like.new_zeros(total, dtype=dtype), specs)
         else:
-            ring.wait(self.incoming)
-            self.acc, self.incoming = ring.unpack(self.incoming, specs), None
+            self.acc, self.incoming = ring.unpack(ring.wait(self.incoming), specs), None
 
     def real_parts(self, shard: int) -> list[torch.Tensor]:
         return [real_part(a, lay.dim or 0, lay.slot(shard))
@@ -62,31 +69,34 @@ class GradientRing:
 
 
 class _UnitGrad(torch.autograd.Function):
-    """Links a unit's result into autograd; saves the activation, the rank's own shards and
-    whatever the unit keeps from its forward steps (`saved`), never a received shard."""
+    """Links a unit's result into autograd; saves the activation, the rank's own shards (one per
+    role, `n_own`) and whatever the unit keeps from its forward steps, never a received shard;
+    in a bucket, the `ticket` of the bucket's forward. Backward: `rtp::unit_backward`."""
 
     @staticmethod
-    def forward(ctx, unit, y, x, *tensors):
-        ctx.unit, ctx.transaction = unit, transaction.current()
-        ctx.bucket = unit.bucket.current if unit.bucket is not None else None
-        _save(ctx, (x, *tensors))  # a fused block's externals may be sizes, not tensors
+    def forward(ctx, key, n_own, ticket, y, x, *tensors):
+        ctx.key, ctx.n_own = key, n_own
+        _save(ctx, (ticket, x, *tensors))  # a fused block's externals may be sizes, not tensors
         return y
 
     @staticmethod
-    @transaction.transactional
     def backward(ctx, dy):
-        x, *rest = _saved(ctx)
-        n_own = len(ctx.unit.roles)  # one own shard per role, then what the steps saved
-        own, saved = [p.detach() for p in rest[:n_own]], rest[n_own:]
+        values = _saved(ctx)
+        ticket, n_own = values[0], ctx.n_own
         needs = ctx.needs_input_grad
-        own_needs = needs[3:3 + n_own]
-        dx, grads = ctx.unit.backward(dy, x, own, saved, needs[2], any(own_needs), ctx.bucket)
-        grads = grads or [None] * len(own)
-        return (None, None, dx, *[g if need else None for g, need in zip(grads, own_needs)],
-                *[None] * len(saved))
+        # in a bucket the shards' gradients go into the bucket's rows; the ticket's gradient
+        # (zero) makes the bucket's backward wait for every unit's
+        need_dx, own_needs = needs[4], needs[5:5 + n_own]
+        grads = iter(unit_backward(ctx.key, dy, *encode(values), need_dx, any(own_needs)))
+        d_ticket = next(grads) if ticket is not None else None
+        dx = next(grads) if need_dx else None
+        own = [next(grads) if any(own_needs) and ticket is None else None for _ in own_needs]
+        return (None, None, d_ticket, None, dx,
+                *[g if need else None for g, need in zip(own, own_needs)],
+                *[None] * (len(values) - 2 - n_own))
 
 
-class UnitRuntime(nn.Module):
+class UnitRuntime(Keyed):
     """Runtime of one unit on one rank: executes the backward events its schedule hands it
     (weights re-fetched from rank+1, gradient accumulators passed to rank-1; in a bucket, both
     through the bucket's state, `runtime.bucket`); subclasses say what one step computes."""
@@ -104,13 +114,27 @@ class UnitRuntime(nn.Module):
         self.shapes = {r: lay.shape for r, lay in zip(self.roles, layouts)}
         self.slots = [{r: lay.slot(s) for r, lay in zip(self.roles, layouts)}
                       for s in range(world_size)]  # per shard: where each role's part lies
+        self.register(name)
 
-    def forward(self, y, x, *tensors):
+    def forward(self, y, x, *tensors, ticket=None):
         """y: the combined step outputs (computed outside autograd); then this rank's own
-        shards, one per role, then what the steps saved for backward."""
+        shards, one per role, then what the steps saved for backward; `ticket`: in a bucket,
+        the bucket's forward (`BucketRuntime`)."""
         if not torch.is_grad_enabled():
             return y
-        return _UnitGrad.apply(self, y, x, *tensors)
+        return _UnitGrad.apply(self.rtp_key, len(self.roles), ticket, y, x, *tensors)
+
+    @transaction.transactional
+    def backward_op(self, dy, values, need_dx: bool, need_dw: bool) -> list[torch.Tensor]:
+        """`rtp::unit_backward`: the ticket's gradient (in a bucket), dx (if needed), the own
+        shards' gradients (if needed, outside a bucket)."""
+        ticket, x, *rest = values
+        n_own = len(self.roles)  # one own shard per role, then what the steps saved
+        own, saved = [p.detach() for p in rest[:n_own]], rest[n_own:]
+        bucket = None if ticket is None else self.bucket.state(ticket)
+        dx, grads = self.backward(dy, x, own, saved, need_dx, need_dw, bucket)
+        out = [] if ticket is None else [torch.zeros_like(ticket)]
+        return distinct(out + ([dx] if need_dx else []) + (grads or []), values[:1 + 1 + n_own])
 
     def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
         """This step's part of dx (added into `dx`, None when not needed). `scratch` is a dict
@@ -189,8 +213,7 @@ class _UnitFetch:
                                          f"{self.where}: weight hop {step}")
 
     def wait(self, step):
-        ring.wait(self.incoming)
-        self.current = ring.unpack(self.incoming, ring.specs_of(self.own))
+        self.current = ring.unpack(ring.wait(self.incoming), ring.specs_of(self.own))
 
     def held(self, step):
         return self.current
@@ -262,9 +285,8 @@ def ring_all_gather(own: list[torch.Tensor], layouts, rank: int, world_size: int
     shards = {rank: own}
     held = own
     for k in range(1, world_size):
-        received = ring.shift_start(held, group_name, 1, tag, f"{where}: gather hop {k}")
-        ring.wait(received)
-        held = shards[(rank - k) % world_size] = ring.unpack(received, ring.specs_of(own))
+        hop = ring.shift_start(held, group_name, 1, tag, f"{where}: gather hop {k}")
+        held = shards[(rank - k) % world_size] = ring.unpack(ring.wait(hop), ring.specs_of(own))
     ring.pool.release()
     return [lay.unshard([shards[s][i] for s in range(world_size)])
             for i, lay in enumerate(layouts)]
@@ -299,40 +321,26 @@ def _saved(ctx) -> list:
 
 
 class _GatherGrad(torch.autograd.Function):
+    """A gathered op in autograd: forward `rtp::gathered_forward` (gather, run the op), saving
+    its inputs and own shards; backward `rtp::gathered_backward`. `single`: the op returns one
+    tensor, not a tuple."""
+
     @staticmethod
-    def forward(ctx, unit, n_inputs, *values):
-        inputs, own = values[:n_inputs], values[n_inputs:]
-        ctx.unit, ctx.n_inputs, ctx.transaction = unit, n_inputs, transaction.current()
+    def forward(ctx, key, single, *values):
+        ctx.key = key
         _save(ctx, values)  # inputs and own shards; the gathered tensors are freed
-        outputs = unit.run(inputs, unit.gather(own))
-        return tuple(outputs) if isinstance(outputs, list) else outputs
+        outputs = gathered_forward(key, *encode(values))
+        return outputs[0] if single else tuple(outputs)
 
     @staticmethod
-    @transaction.transactional
     def backward(ctx, *douts):
-        unit, n_inputs = ctx.unit, ctx.n_inputs
-        saved = _saved(ctx)
-        inputs, own = saved[:n_inputs], saved[n_inputs:]
+        values = _saved(ctx)
         needs = ctx.needs_input_grad[2:]
-        full = [p.requires_grad_(True) for p in unit.gather([p.detach() for p in own])]
-        leaves = [v.detach().requires_grad_(need) if need else v
-                  for v, need in zip(inputs, needs[:n_inputs])]
-        with torch.enable_grad():
-            outputs = unit.run(leaves, full)
-        outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-        pairs = [(o, d) for o, d in zip(outputs, douts)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and d is not None]
-        wanted = [v for v, need in zip(leaves, needs[:n_inputs]) if need] + full
-        grads = list(torch.autograd.grad([o for o, _ in pairs], wanted, [d for _, d in pairs],
-                                         allow_unused=True) if pairs else [None] * len(wanted))
-        input_grads = [grads.pop(0) if need else None for need in needs[:n_inputs]]
-        param_grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, full)]
-        shard_grads = unit.reduce_scatter(param_grads)
-        return (None, None, *input_grads,
-                *[g if need else None for g, need in zip(shard_grads, needs[n_inputs:])])
+        grads = iter(gathered_backward(ctx.key, list(douts), *encode(values), list(needs)))
+        return (None, None, *[next(grads) if need else None for need in needs])
 
 
-class GatheredOpRuntime(nn.Module):
+class GatheredOpRuntime(Keyed):
     """Runtime of one gathered op: `body` is a small GraphModule (the op and the parameter-only
     ops feeding it) whose parameters are placeholders filled with the gathered tensors."""
 
@@ -344,9 +352,49 @@ class GatheredOpRuntime(nn.Module):
         self.layouts, self.rank, self.world_size = layouts, rank, world_size
         self.group_name, self.schedule = group_name, schedule
         self.grad_scale, self.reason, self.precision = grad_scale, reason, precision
+        self.single = isinstance(self.body.graph.output_node().args[0], fx.Node)
+        self.register(name)
 
     def extra_repr(self) -> str:
         return f"gathered: {self.reason}; rank {self.rank} of {self.world_size}"
+
+    def full_like(self, own) -> list[torch.Tensor]:
+        """Empty tensors shaped like the gathered parameters (for fake implementations)."""
+        return [o.new_empty(lay.shape, dtype=self.precision.compute(lay.dtype))
+                for o, lay in zip(own, self.layouts)]
+
+    def forward_op(self, values, full=None) -> list[torch.Tensor]:
+        """`rtp::gathered_forward`: the op's outputs on the gathered parameters (`full`: given,
+        else gathered)."""
+        n_inputs = len(values) - len(self.param_names)
+        inputs, own = values[:n_inputs], values[n_inputs:]
+        outputs = self.run(inputs, self.gather(own) if full is None else full)
+        return distinct([outputs] if self.single else list(outputs), values)
+
+    @transaction.transactional
+    def backward_op(self, douts, values, needs) -> list[torch.Tensor]:
+        """`rtp::gathered_backward`: gather again, recompute the op, the gradients of the
+        values that need one (an input's: zeros where the op does not read it)."""
+        n_inputs = len(values) - len(self.param_names)
+        inputs, own = values[:n_inputs], values[n_inputs:]
+        full = [p.requires_grad_(True) for p in self.gather([p.detach() for p in own])]
+        leaves = [v.detach().requires_grad_(need) if need else v
+                  for v, need in zip(inputs, needs[:n_inputs])]
+        with torch.enable_grad():
+            outputs = self.run(leaves, full)
+        outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        pairs = [(o, d) for o, d in zip(outputs, douts)
+                 if isinstance(o, torch.Tensor) and o.requires_grad]
+        wanted = [v for v, need in zip(leaves, needs[:n_inputs]) if need] + full
+        grads = list(torch.autograd.grad([o for o, _ in pairs], wanted, [d for _, d in pairs],
+                                         allow_unused=True) if pairs else [None] * len(wanted))
+        input_grads = [torch.zeros_like(v) if g is None else g
+                       for g, v in zip(grads, wanted[:len(wanted) - len(full)])]
+        param_grads = [torch.zeros_like(p) if g is None else g
+                       for g, p in zip(grads[len(input_grads):], full)]
+        shard_grads = self.reduce_scatter(param_grads)
+        return distinct(input_grads + [g for g, need in zip(shard_grads, needs[n_inputs:])
+                                       if need], values)
 
     def gather(self, own):
         return ring_all_gather(self.precision.to_compute(own), self.layouts, self.rank,
@@ -374,10 +422,10 @@ class GatheredOpRuntime(nn.Module):
                                    self.grad_scale, self.precision.reduce(self.layouts[0].dtype))
 
     def forward(self, *tensors):
-        n_inputs = len(tensors) - len(self.param_names)
         if not torch.is_grad_enabled():
-            return self.run(tensors[:n_inputs], self.gather(tensors[n_inputs:]))
-        return _GatherGrad.apply(self, n_inputs, *tensors)
+            outputs = gathered_forward(self.rtp_key, *encode(tensors))
+            return outputs[0] if self.single else tuple(outputs)
+        return _GatherGrad.apply(self.rtp_key, self.single, *tensors)
 
 
 def _without_parameters(body: nn.Module, param_names: list[str]):
@@ -397,26 +445,21 @@ def _without_parameters(body: nn.Module, param_names: list[str]):
 
 
 class _SmallGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, runtime, *own):
-        ctx.runtime, ctx.transaction = runtime, transaction.current()
-        return tuple(runtime.gather(own))
+    """The small parameters in autograd: forward `rtp::small_gather`, backward
+    `rtp::small_reduce_scatter` of the summed gradients of every use."""
 
     @staticmethod
-    @transaction.transactional
+    def forward(ctx, key, *own):
+        ctx.key = key
+        return tuple(small_gather(key, list(own)))
+
+    @staticmethod
     def backward(ctx, *full_grads):
-        r = ctx.runtime
-        grads = [torch.zeros(lay.shape, dtype=lay.dtype, device=r.device) if g is None else g
-                 for g, lay in zip(full_grads, r.layouts)]
-        shards = ring_reduce_scatter(grads, r.layouts, r.rank, r.world_size, r.group_name,
-                                     r.schedule.grad_tag, "small parameters", r.grad_scale,
-                                     r.precision.reduce(r.layouts[0].dtype))
-        # each gradient its own tensor: as views of the one accumulator message, any one of
-        # them would keep all of it alive (and MemTracker counts it so)
-        return (None, *[g.clone() if g._base is not None else g for g in shards])
+        grads = small_reduce_scatter(ctx.key, list(full_grads))
+        return (None, *[g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:])])
 
 
-class SmallParamsGather(nn.Module):
+class SmallParamsGather(Keyed):
     """Runtime of the small parameters gathered once per step: their shards all-gathered in one
     message per hop, the full tensors handed to the ops that read them; backward, once autograd
     has summed every use's gradient, one reduce-scatter of all of them."""
@@ -427,19 +470,103 @@ class SmallParamsGather(nn.Module):
         self.names, self.layouts, self.rank, self.world_size = list(names), layouts, rank, \
             world_size
         self.group_name, self.schedule, self.grad_scale = group_name, schedule, grad_scale
-        self.precision, self.device = precision, None
+        self.precision = precision
+        self.register("small_params")
 
     def extra_repr(self) -> str:
         return f"gathered once per step: {', '.join(self.names)}; rank {self.rank} of " \
                f"{self.world_size}"
 
     def gather(self, own):
-        return ring_all_gather(self.precision.to_compute(own), self.layouts, self.rank,
-                               self.world_size, self.group_name, self.schedule.forward_tag,
-                               "small parameters")
+        """`rtp::small_gather`: the full small parameters."""
+        return distinct(ring_all_gather(self.precision.to_compute(own), self.layouts, self.rank,
+                                        self.world_size, self.group_name,
+                                        self.schedule.forward_tag, "small parameters"), own)
+
+    @transaction.transactional
+    def reduce_scatter(self, full_grads):
+        """`rtp::small_reduce_scatter`: this rank's shards of the summed full gradients."""
+        shards = ring_reduce_scatter(full_grads, self.layouts, self.rank, self.world_size,
+                                     self.group_name, self.schedule.grad_tag, "small parameters",
+                                     self.grad_scale, self.precision.reduce(self.layouts[0].dtype))
+        # each gradient its own tensor: as views of the one accumulator message, any one of
+        # them would keep all of it alive (and MemTracker counts it so)
+        return [g.clone() if g._base is not None else g for g in shards]
 
     def forward(self, *own):
-        self.device = own[0].device
         if not torch.is_grad_enabled():
-            return tuple(self.gather(own))
-        return _SmallGather.apply(self, *own)
+            return tuple(small_gather(self.rtp_key, list(own)))
+        return _SmallGather.apply(self.rtp_key, *own)
+
+
+@graph_op("unit_backward")
+def unit_backward(key: str, dy: torch.Tensor, tensors: list[torch.Tensor], ints: list[int],
+                  floats: list[float], kinds: list[int], need_dx: bool,
+                  need_dw: bool) -> list[torch.Tensor]:
+    """Graph op: the backward of the unit registered under `key`, on what its forward saved
+    (`registry.encode`d): the ticket's gradient (in a bucket), dx, the own shards' gradients."""
+    with autograd_in_op():  # a fused block's backward differentiates its region
+        return lookup(key).backward_op(dy, decode(tensors, ints, floats, kinds), need_dx,
+                                       need_dw)
+
+
+@unit_backward.op.register_fake
+def _(key, dy, tensors, ints, floats, kinds, need_dx, need_dw):
+    ticket, x, *rest = decode(tensors, ints, floats, kinds)
+    own = rest[:len(lookup(key).roles)]
+    return [torch.empty_like(t) for t in ([] if ticket is None else [ticket])
+            + ([x] if need_dx else []) + (own if need_dw and ticket is None else [])]
+
+
+@graph_op("gathered_forward")
+def gathered_forward(key: str, tensors: list[torch.Tensor], ints: list[int],
+                     floats: list[float], kinds: list[int]) -> list[torch.Tensor]:
+    """Graph op: the gathered op registered under `key` on its inputs and own shards."""
+    return lookup(key).forward_op(decode(tensors, ints, floats, kinds))
+
+
+@gathered_forward.op.register_fake
+def _(key, tensors, ints, floats, kinds):
+    unit, values = lookup(key), decode(tensors, ints, floats, kinds)
+    return unit.forward_op(values, unit.full_like(values[len(values) - len(unit.param_names):]))
+
+
+@graph_op("gathered_backward")
+def gathered_backward(key: str, douts: list[torch.Tensor], tensors: list[torch.Tensor],
+                      ints: list[int], floats: list[float], kinds: list[int],
+                      needs: list[bool]) -> list[torch.Tensor]:
+    """Graph op: the backward of the gathered op registered under `key`: the gradients of
+    those of its inputs and own shards that `needs` says."""
+    with autograd_in_op():  # it differentiates the op
+        return lookup(key).backward_op(douts, decode(tensors, ints, floats, kinds), needs)
+
+
+@gathered_backward.op.register_fake
+def _(key, douts, tensors, ints, floats, kinds, needs):
+    values = decode(tensors, ints, floats, kinds)
+    return [torch.empty_like(v) for v, need in zip(values, needs) if need]
+
+
+@graph_op("small_gather")
+def small_gather(key: str, own: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Graph op: the small parameters of `SmallParamsGather` `key`, all-gathered."""
+    return lookup(key).gather(own)
+
+
+@small_gather.op.register_fake
+def _(key, own):
+    runtime = lookup(key)
+    return [o.new_empty(lay.shape, dtype=runtime.precision.compute(lay.dtype))
+            for o, lay in zip(own, runtime.layouts)]
+
+
+@graph_op("small_reduce_scatter")
+def small_reduce_scatter(key: str, full_grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Graph op: the small parameters' full gradients reduce-scattered into this rank's shards'."""
+    return lookup(key).reduce_scatter(full_grads)
+
+
+@small_reduce_scatter.op.register_fake
+def _(key, full_grads):
+    return [g.new_empty(lay.shard_shape, dtype=lay.dtype)
+            for g, lay in zip(full_grads, lookup(key).layouts)]
