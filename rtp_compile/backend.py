@@ -3,8 +3,10 @@ graph dynamo captures is transformed and run as this rank's RTP program.
 
 Per graph: lift it (`dynamo_graph.lift`), run `rtp_compile.transform` on it with the layouts of
 parameters already sharded fixed (so a parameter met in two graphs, a tied weight, keeps one
-layout), emit this rank's module, and hand it to the rank compiler (`rank_compiler`: "eager"
-runs the module as emitted). The callable returned binds, at every call, the shards of the
+layout), emit this rank's module, and hand it to the rank compiler (`rank_compiler`: by
+default "inductor" compiles the rank module whole, ring hops included, as
+`torch.compile(prog.module(rank), fullgraph=True)` does; "aot_eager" likewise without
+inductor's kernels; "eager" runs the module as emitted). The callable returned binds, at every call, the shards of the
 parameters passed *then* (by identity: dynamo guards check only metadata, so one graph serves
 every identical layer) and the user's own buffers; after the first call the full parameters'
 storage is released (`shard_registry`).
@@ -26,19 +28,28 @@ from rtp_compile.layout import ParamLayout
 from rtp_compile.program import RTPProgram
 from rtp_compile.runtime.unshard import is_unshard
 
-RANK_COMPILERS = {"eager": lambda gm, example_inputs: gm}
+def _compiled_by(compiler: str):
+    """A rank compiler that compiles the emitted rank module whole with torch.compile's
+    `compiler` backend (its ring ops are functional custom ops: `runtime.ring`)."""
+    def compile_rank(gm: fx.GraphModule, example_inputs):
+        return torch.compile(gm, backend=compiler, fullgraph=True)
+    return compile_rank
+
+
+RANK_COMPILERS = {"eager": lambda gm, example_inputs: gm,
+                  "aot_eager": _compiled_by("aot_eager"), "inductor": _compiled_by("inductor")}
 
 
 class RTPBackend:
     """A dynamo backend: `(graph module, example inputs) -> callable` (see module doc).
 
     `world_size`: ranks of the ring (default: the size of `group`, the job's when None);
-    `rank_compiler`: "eager" or a callable `(rank GraphModule, example inputs) -> callable`
-    that runs the emitted rank module; `transform_opts`: `rtp_compile.transform`'s options.
+    `rank_compiler`: "inductor", "aot_eager", "eager" or a callable `(rank GraphModule,
+    example inputs) -> callable` that runs the emitted rank module; `transform_opts`: `rtp_compile.transform`'s options.
     `programs` keeps each graph's program (in compile order), for inspection."""
 
     def __init__(self, world_size: int | None = None, group: dist.ProcessGroup | None = None,
-                 rank_compiler="eager", **transform_opts):
+                 rank_compiler="inductor", **transform_opts):
         if "fixed_layouts" in transform_opts:
             raise TypeError("rtp_compile.backend: fixed_layouts is the backend's to set")
         self.world_size, self.group = world_size, group
@@ -73,12 +84,13 @@ class RTPBackend:
 
 
 def backend(world_size: int | None = None, group: dist.ProcessGroup | None = None,
-            rank_compiler="eager", **transform_opts) -> RTPBackend:
+            rank_compiler="inductor", **transform_opts) -> RTPBackend:
     """A torch.compile backend that runs each captured graph as this rank's RTP program:
     `torch.compile(model, backend=rtp_compile.backend(world_size=N))` on every rank of a job.
     `world_size` defaults to the size of `group` (the whole job when None). `transform_opts`
     are `rtp_compile.transform`'s (fuse, bucket_bytes, mp_policy, ...). `rank_compiler`: how
-    the emitted rank module runs ("eager", or a callable `(gm, example_inputs) -> callable`).
+    the emitted rank module runs: compiled whole by "inductor" (the default) or "aot_eager",
+    run as emitted by "eager", or a callable `(gm, example_inputs) -> callable`.
 
     The model's own parameters are released after the first call: train through an optimizer
     built on `model.parameters()` (it steps the shards), read the full state with

@@ -127,22 +127,23 @@ def train_compiled_next_to_ddp(model, call, logits, tokens, rank, seed, contract
 
 
 def compiled_parity(rank: int, world_size: int, cases: list, seed: int) -> dict:
-    """train_compiled_next_to_ddp for each (model, contract) of `cases`, in float64."""
+    """train_compiled_next_to_ddp for each (model, contract, rank compiler) of `cases`, in
+    float64."""
     torch.set_default_dtype(torch.float64)
     zoo, tokens = models()
     results = {}
-    for name, contract in cases:
+    for name, contract, rank_compiler in cases:
         factory, call, logits = zoo[name]
         torch.manual_seed(seed)
         model = factory().to(torch.float64)
         torch._dynamo.reset()
-        backend = rtp_compile.backend()
+        backend = rtp_compile.backend(rank_compiler=rank_compiler)
         result, opt, compiled = train_compiled_next_to_ddp(model, call, logits, tokens, rank,
                                                            seed, contract, backend)
         # with gradients, the reference runs gone
         loss_of(logits(call(compiled, tokens(rank, seed))), seed).backward()
         result["held"] = held_fraction(model)
-        results[(name, contract)] = result
+        results[(name, contract, rank_compiler)] = result
         del model, opt, compiled
     return results
 

@@ -25,8 +25,8 @@ TOL = 1e-9
 
 def _check_parity(results, world_size):
     for rank, per_model in enumerate(results):
-        for (name, contract), r in per_model.items():
-            where = f"rank {rank} {name} contract ({contract})"
+        for (name, contract, rank_compiler), r in per_model.items():
+            where = f"rank {rank} {name} contract ({contract}), rank program {rank_compiler}"
             for what in ("output", "loss", "grad", "param"):
                 assert r[what] <= TOL, f"{where}: {what} rel. error {r[what]:.2e}"
             assert r["sharded"], f"{where}: a parameter has no shard (the backend did not run)"
@@ -44,12 +44,13 @@ def _check_parity(results, world_size):
 
 @pytest.mark.timeout(300)
 def test_models_train_like_ddp_both_contracts(seed):
-    """TinyGPT (plain compile after the optimizer: contract b) and GPT-2 with its tied head
-    (sharded first: contract a) at N = 2: outputs equal the eager model's, losses, gradients
+    """TinyGPT (plain compile after the optimizer: contract b; its rank program compiled whole
+    by aot_eager) and GPT-2 with its tied head (sharded first: contract a; rank program run
+    eagerly) at N = 2: outputs equal the eager model's, losses, gradients
     and parameters after three AdamW steps DDP's; never recompiled; about 1/2 of the
     parameters and gradients held. The sharded GPT-2 run uncompiled (weights all-gathered)
     matches DDP's output and gradients; clip_grad_norm_ and load_full_state_dict work on it."""
-    cases = [("tinygpt", "b"), ("gpt2", "a")]
+    cases = [("tinygpt", "b", "aot_eager"), ("gpt2", "a", "eager")]
     results = rtp_compile.launch(compiled_parity, 2, args=(cases, seed), timeout=240)
     assert list(results[0]) == cases
     _check_parity(results, 2)
@@ -59,7 +60,7 @@ def test_models_train_like_ddp_both_contracts(seed):
 def test_three_ranks(seed):
     """Llama (GQA attention, SwiGLU; plain compile) and TinyGPT (sharded first) at N = 3:
     parity with DDP, about 1/3 held."""
-    cases = [("llama", "b"), ("tinygpt", "a")]
+    cases = [("llama", "b", "eager"), ("tinygpt", "a", "eager")]
     results = rtp_compile.launch(compiled_parity, 3, args=(cases, seed), timeout=240)
     assert list(results[0]) == cases
     _check_parity(results, 3)
