@@ -107,7 +107,7 @@ def peers(group_name: str, shift: int) -> Peers:
     process group gets a new group object, and with it new peers and timeout; a re-formed ring
     its new communicator."""
     group = resolve_group(group_name)
-    comm = _rings[group_name].comm if group_name in _rings else None
+    comm = communicator(group_name)
     known = _peers.get((group_name, shift))
     if known is None or known.group is not group or known.comm is not comm:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -135,6 +135,12 @@ _rings: dict[str, RingState] = {}
 
 def ring_state(group_name: str) -> RingState:
     return _rings.setdefault(group_name, RingState())
+
+
+def communicator(group_name: str):
+    """The ring's own communicator once a recovery re-formed it; None: it talks over its group."""
+    state = _rings.get(group_name)
+    return None if state is None else state.comm
 
 
 def mark_broken(group_name: str, why: str) -> None:
@@ -183,7 +189,7 @@ def recover(group_name: str) -> None:
 
 def all_gather(out: list[torch.Tensor], tensor: torch.Tensor, group_name: str) -> None:
     """`dist.all_gather` over the ring's connections (its own communicator once re-formed)."""
-    comm = ring_state(group_name).comm if group_name in _rings else None
+    comm = communicator(group_name)
     if comm is None:
         dist.all_gather(out, tensor, group=resolve_group(group_name))
     else:
@@ -193,7 +199,7 @@ def all_gather(out: list[torch.Tensor], tensor: torch.Tensor, group_name: str) -
 def broadcast(flat: torch.Tensor, group_name: str) -> None:
     """Broadcast `flat` from the group's first rank over the ring's connections (its own
     communicator once re-formed)."""
-    comm = ring_state(group_name).comm if group_name in _rings else None
+    comm = communicator(group_name)
     if comm is None:
         group = resolve_group(group_name)
         dist.broadcast(flat, dist.get_global_rank(group, 0), group=group)
