@@ -49,12 +49,23 @@ def parameter_names(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str
     return params, aliases
 
 
-def capture(model: nn.Module, example_inputs=None, example_kwargs=None) -> Captured:
+def capture(model: nn.Module, example_inputs=None, example_kwargs=None,
+            compute_dtype: torch.dtype | None = None, cast_inputs: bool = True) -> Captured:
     """Capture `model`: torch.export with example inputs (or the `dummy_inputs` a transformers
     model carries), torch.fx.symbolic_trace without. Nodes computed inside an activation
-    checkpoint are labelled with it (`checkpoint_region`)."""
+    checkpoint are labelled with it (`checkpoint_region`).
+
+    `compute_dtype` (mixed precision's `param_dtype`): the model is captured as it runs under
+    FSDP2's policy, its floating parameters (and, with `cast_inputs`, its floating example
+    inputs) in that dtype, so every dtype its code derives from them (`x.to(self.weight.dtype)`,
+    an attention mask's `finfo(dtype).min`, a norm's cast back to its input's dtype) is the one
+    it computes in; export records such dtypes as constants. Afterwards the parameters are the
+    model's own again: the graph reads them through the casts the passes add."""
     params, aliases = parameter_names(model)
-    with _labelling_checkpoints():
+    if compute_dtype is not None:
+        example_inputs, example_kwargs = _cast_floating((example_inputs, example_kwargs),
+                                                        compute_dtype if cast_inputs else None)
+    with _labelling_checkpoints(), _parameters_in(model, compute_dtype):
         if example_inputs is None and example_kwargs is None:
             dummy = _fitting_dummy_inputs(model)
             if dummy:
@@ -65,8 +76,60 @@ def capture(model: nn.Module, example_inputs=None, example_kwargs=None) -> Captu
             gm, level = _export(model, example_inputs, example_kwargs,
                                 "the given example inputs"), "aten"
     _canonicalise_parameter_reads(gm, aliases)
+    _drop_metadata_asserts(gm)
     return Captured(gm, level, params, aliases, native_state_keys(model), model=model,
                     examples=(example_inputs, example_kwargs))
+
+
+@contextlib.contextmanager
+def _parameters_in(model: nn.Module, dtype: torch.dtype | None):
+    """The model's floating parameters hold `dtype` copies of their data meanwhile (the same
+    Parameter objects, so ties and names hold); their own data is put back afterwards."""
+    saved = []
+    if dtype is not None:
+        for p in {id(p): p for p in model.parameters()}.values():
+            if p.is_floating_point() and p.dtype != dtype:
+                saved.append((p, p.data))
+                p.data = _in_dtype(p.data, dtype)
+    try:
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
+
+
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype`; a stand-in that holds less than its extent (the compile backend's
+    zero-byte parameters, an expanded scalar) stays one, rather than being materialised."""
+    if not t.is_meta and t.untyped_storage().nbytes() < t.numel() * t.element_size():
+        return torch.zeros((), dtype=dtype, device=t.device).expand(t.shape)
+    return t.to(dtype)
+
+
+def _cast_floating(tree, dtype: torch.dtype | None):
+    """`tree` with every floating tensor cast to `dtype` (None: unchanged)."""
+    if dtype is None:
+        return tree
+    return torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+# What export leaves in a graph to re-check what it saw: the dtype, device and layout of a
+# tensor (`.to()` and friends assert their input's). They check the capture, not the program:
+# the passes change what they would assert (mixed precision a dtype, a meta model's device).
+_METADATA_ASSERTS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+def _drop_metadata_asserts(gm: fx.GraphModule) -> None:
+    """Erase export's assertions of a tensor's captured dtype, device and layout (they return
+    nothing and nothing reads them). Assertions on input sizes (`_assert_scalar`) stay: they
+    are about the user's inputs, which no pass changes."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in list(module.graph.nodes):
+                if node.op == "call_function" and node.target in _METADATA_ASSERTS:
+                    module.graph.erase_node(node)
+            module.recompile()
 
 
 def checkpoint_region(node: fx.Node) -> int | None:

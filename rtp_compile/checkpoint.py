@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadat
 from rtp_compile.codegen import job_of
 from rtp_compile.dcp_shards import ShardChunks, ShardLoadPlanner, ShardSavePlanner
 from rtp_compile.model_state import computed_state, hooked_native_keys, to_native
-from rtp_compile.program import RTPProgram, program_of
+from rtp_compile.program_state import ProgramState, state_of
 
 
 def save(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra=None,
@@ -54,12 +54,12 @@ def save(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None, ex
     step, data position, this rank's RNG state) to the DCP checkpoint directory `path`. On a
     2-D mesh (`prog.module(mesh=...)`) only the first replica's ring writes the model and the
     optimizer; every rank writes its `extra`."""
-    prog, job = program_of(gm), job_of(gm)
+    pstate, job = state_of(gm), job_of(gm)
     state = {}
     if job.replica == 0:  # data-parallel replicas (a 2-D mesh) hold the same shards: one writes
-        state["model"] = _model_entries(prog, gm, job.rank, _job_rank(process_group) == 0)
+        state["model"] = _model_entries(pstate, gm, job.rank, _job_rank(process_group) == 0)
         if optimizer is not None:
-            state["optimizer"] = _optimizer_entries(prog, gm, optimizer, job.rank)
+            state["optimizer"] = _optimizer_entries(pstate, gm, optimizer, job.rank)
     buffer = io.BytesIO()
     torch.save(extra, buffer)
     state["extra"] = {f"rank{_job_rank(process_group)}": buffer.getvalue()}
@@ -89,69 +89,69 @@ def load(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     parameters as the saved ones'); returns the `extra` this rank saved (in a job larger than
     the saving one, a rank that did not save gets rank 0's). Nothing is changed unless all of
     it was read."""
-    prog, rank = program_of(gm), job_of(gm).rank
+    pstate, rank = state_of(gm), job_of(gm).rank
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"rtp_compile.checkpoint.load: {path} is not a complete DCP "
                                 f"checkpoint (no .metadata file)")
     reader = dcp.FileSystemReader(path)
     metadata = reader.read_metadata()
-    state = {"model": _model_targets(prog, gm, rank, metadata)}
+    state = {"model": _model_targets(pstate, gm, rank, metadata)}
     if optimizer is not None:
-        state["optimizer"] = _optimizer_targets(prog, gm, optimizer, rank, metadata, path)
+        state["optimizer"] = _optimizer_targets(pstate, gm, optimizer, rank, metadata, path)
     own = f"rank{_job_rank(process_group)}"
     extra_key = own if f"extra.{own}" in metadata.state_dict_metadata else "rank0"
     state["extra"] = {extra_key: None}
     with _collective("load", process_group, "no parameter or optimizer state was changed"):
         dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(),
                  process_group=process_group)
-    _copy_model(prog, gm, rank, state["model"], metadata)
+    _copy_model(pstate, gm, rank, state["model"], metadata)
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state_dict(gm, optimizer, state["optimizer"]))
     return torch.load(io.BytesIO(state["extra"][extra_key]), weights_only=False)
 
 
 # -- the model ------------------------------------------------------------------------------
-def _model_entries(prog: RTPProgram, gm: nn.Module, rank: int,
+def _model_entries(pstate: ProgramState, gm: nn.Module, rank: int,
                    first: bool) -> dict[str, object]:
     """Every key of the model's state_dict: this rank's shard of each parameter (under each of
     its names); on the job's `first` rank, the buffers (as with DDP, the first rank's are what
     every rank's next forward takes; each rank's own can differ, as BatchNorm's statistics do)
     and the keys the model's state-dict hooks compute, from the full tensors of the modules
     that have hooks (gathered: the only full tensors a save makes)."""
-    model, sources = prog.ctx.model, prog.state_dict_sources
+    model, sources = pstate.model, pstate.state_dict_sources
     entries = {}
     for key, source in sources.items():
-        name = None if source is None else prog.alias_of(source)
+        name = None if source is None else pstate.alias_of(source)
         if name is not None:
-            entries[key] = ShardChunks(gm.get_parameter(name).detach(), prog.plan.params[name],
+            entries[key] = ShardChunks(gm.get_parameter(name).detach(), pstate.layouts[name],
                                        rank)
         elif source is not None and first:
             entries[key] = gm.get_buffer(source).detach()
     if None in sources.values():
-        full = {k: prog.full_tensor(gm, k) for k in hooked_native_keys(model)}  # collective
+        full = {k: pstate.full_tensor(gm, k) for k in hooked_native_keys(model)}  # collective
         if first:
             entries.update(computed_state(model, full, sources, "rtp_compile.checkpoint.save"))
     return {k: entries[k] for k in sources if k in entries}
 
 
-def _model_targets(prog: RTPProgram, gm: nn.Module, rank: int,
+def _model_targets(pstate: ProgramState, gm: nn.Module, rank: int,
                    metadata: Metadata) -> dict[str, object]:
     """Fresh tensors to read the model into, by state_dict key: a zero shard per parameter
     (read under the first of its keys the checkpoint has), a copy per buffer, a whole tensor
     per key the model's hooks compute; every key and shape checked."""
-    sources, saved = prog.state_dict_sources, metadata.state_dict_metadata
+    sources, saved = pstate.state_dict_sources, metadata.state_dict_metadata
     keys_of: dict[str, list[str]] = {}  # parameter -> its state_dict keys
     for key, source in sources.items():
-        if source is not None and prog.alias_of(source) is not None:
-            keys_of.setdefault(prog.alias_of(source), []).append(key)
+        if source is not None and pstate.alias_of(source) is not None:
+            keys_of.setdefault(pstate.alias_of(source), []).append(key)
     targets, missing, wrong, done = {}, [], [], set()
     for key, source in sources.items():
-        name = None if source is None else prog.alias_of(source)
+        name = None if source is None else pstate.alias_of(source)
         if name in done:
             continue
         if name is not None:
-            layout = prog.plan.params[name]
+            layout = pstate.layouts[name]
             key = next((k for k in keys_of[name] if f"model.{k}" in saved), None)
             if key is None:
                 missing.append(f"parameter {'/'.join(keys_of[name])}")
@@ -184,16 +184,16 @@ def _model_targets(prog: RTPProgram, gm: nn.Module, rank: int,
     return targets
 
 
-def _copy_model(prog: RTPProgram, gm: nn.Module, rank: int, loaded: dict[str, object],
+def _copy_model(pstate: ProgramState, gm: nn.Module, rank: int, loaded: dict[str, object],
                 metadata: Metadata) -> None:
     """Put what was read into `gm`: shards and buffers as they are; the tensors of modules
     whose hooks compute keys through the model's own load_state_dict (its load pre-hooks), on
     a skeleton, then cut to this rank's shards."""
-    model, sources = prog.ctx.model, prog.state_dict_sources
+    model, sources = pstate.model, pstate.state_dict_sources
     with torch.no_grad():
         for key, target in loaded.items():
             if isinstance(target, ShardChunks):
-                gm.get_parameter(prog.alias_of(sources[key])).copy_(target.shard)
+                gm.get_parameter(pstate.alias_of(sources[key])).copy_(target.shard)
             elif sources[key] is not None:
                 gm.get_buffer(sources[key]).copy_(target)
         if None not in sources.values():
@@ -205,11 +205,11 @@ def _copy_model(prog: RTPProgram, gm: nn.Module, rank: int, loaded: dict[str, ob
                      for k in sources if f"model.{k}" in metadata.state_dict_metadata}
         native = to_native(model, stand_ins, "rtp_compile.checkpoint.load")
         for key in hooked_native_keys(model):
-            tensor, name = native[key], prog.alias_of(key)
+            tensor, name = native[key], pstate.alias_of(key)
             if tensor.is_meta:  # passed through unchanged: already read as a shard or buffer
                 continue
             if name is not None:
-                gm.get_parameter(name).copy_(prog.plan.params[name].shard(tensor, rank))
+                gm.get_parameter(name).copy_(pstate.layouts[name].shard(tensor, rank))
             else:
                 gm.get_buffer(key).copy_(tensor)
 
@@ -229,7 +229,7 @@ def _parameter_names(gm: nn.Module, optimizer: torch.optim.Optimizer) -> list[st
     return order
 
 
-def _optimizer_entries(prog: RTPProgram, gm: nn.Module, optimizer: torch.optim.Optimizer,
+def _optimizer_entries(pstate: ProgramState, gm: nn.Module, optimizer: torch.optim.Optimizer,
                        rank: int) -> dict:
     names = _parameter_names(gm, optimizer)
     saved = optimizer.state_dict()
@@ -240,7 +240,7 @@ def _optimizer_entries(prog: RTPProgram, gm: nn.Module, optimizer: torch.optim.O
         state[name] = {}
         for key, value in values.items():
             if isinstance(value, torch.Tensor) and value.dim() and value.shape == shard.shape:
-                value = ShardChunks(value.detach(), prog.plan.params[name], rank)
+                value = ShardChunks(value.detach(), pstate.layouts[name], rank)
             elif isinstance(value, torch.Tensor) and value.dim():
                 raise ValueError(f"rtp_compile.checkpoint.save: optimizer state {key!r} of "
                                  f"{name} has shape {tuple(value.shape)}, neither the shard's "
@@ -252,7 +252,7 @@ def _optimizer_entries(prog: RTPProgram, gm: nn.Module, optimizer: torch.optim.O
     return {"state": state, "param_groups": groups}
 
 
-def _optimizer_targets(prog: RTPProgram, gm: nn.Module, optimizer: torch.optim.Optimizer,
+def _optimizer_targets(pstate: ProgramState, gm: nn.Module, optimizer: torch.optim.Optimizer,
                        rank: int, metadata: Metadata, path: Path) -> dict:
     """What to read the optimizer into, built from the checkpoint's own structure: a zero shard
     per moment, a tensor per scalar state, the saved values of everything else."""
@@ -271,12 +271,12 @@ def _optimizer_targets(prog: RTPProgram, gm: nn.Module, optimizer: torch.optim.O
                              f"{where[2]}, which the optimizer does not hold")
         if isinstance(md, BytesStorageMetadata):
             value = None
-        elif where[1] == "state" and tuple(md.size) == tuple(prog.plan.params[where[2]].shape) \
+        elif where[1] == "state" and tuple(md.size) == tuple(pstate.layouts[where[2]].shape) \
                 and len(md.size):
             param = gm.get_parameter(where[2])
             value = ShardChunks(torch.zeros(param.shape, dtype=md.properties.dtype,
                                             device=param.device),
-                                prog.plan.params[where[2]], rank)
+                                pstate.layouts[where[2]], rank)
         else:
             value = torch.empty(md.size, dtype=md.properties.dtype)
         set_element(targets, where[1:], value)

@@ -15,7 +15,7 @@ from torch import nn
 from rtp_compile import shard_registry
 from rtp_compile.codegen import job_of
 from rtp_compile.layout import real_part
-from rtp_compile.program import program_of
+from rtp_compile.program_state import state_of
 from rtp_compile.runtime import ring
 
 
@@ -48,7 +48,7 @@ def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
         raise ValueError(f"rtp_compile.clip_grad_norm_: norm_type must be > 0 or inf, got "
                          f"{norm_type}")
     if isinstance(getattr(gm, "rtp_job", None), ring.JobCheck):
-        job, layouts = job_of(gm), program_of(gm).plan.params
+        job, layouts = job_of(gm), state_of(gm).layouts
         params = [p for p in gm.parameters() if p.grad is not None]
         parts = [_real_grad(p.grad, layouts[name], job.rank)
                  for name, p in gm.named_parameters() if p.grad is not None]

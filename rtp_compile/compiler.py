@@ -54,6 +54,9 @@ def compile_program(model: nn.Module, world_size: int, example_inputs, example_k
                     options: Options) -> RTPProgram:
     """Capture `model` and run the pass pipeline: `transform` once its options are checked, and
     what an unpickled program runs again (`RTPProgram.__reduce__`)."""
-    captured = capture(model, example_inputs, example_kwargs)
+    policy = options.mp_policy
+    captured = capture(model, example_inputs, example_kwargs,
+                       compute_dtype=None if policy is None else policy.param_dtype,
+                       cast_inputs=policy is None or policy.cast_forward_inputs)
     ctx = Context.of(captured, world_size, options)
     return RTPProgram.compile(ctx, captured.gm)

@@ -39,7 +39,7 @@ def has_state_dict_hooks(model: nn.Module) -> bool:
     return any(getattr(m, table, None) for m in model.modules() for table in _HOOK_TABLES)
 
 
-def _skeleton(model: nn.Module, full_shape=None) -> nn.Module:
+def skeleton(model: nn.Module, full_shape=None) -> nn.Module:
     """A copy of `model` whose parameters and buffers are meta tensors (no data is copied), of
     `full_shape(tensor)` where given (a model holding shards: the shapes its state_dict has
     in full)."""
@@ -56,13 +56,13 @@ def _skeleton(model: nn.Module, full_shape=None) -> nn.Module:
 def to_model_state_dict(model: nn.Module, native: Mapping[str, torch.Tensor],
                         what: str, full_shape=None) -> dict[str, torch.Tensor]:
     """`native` (every native key of `model`, full tensors) as `model.state_dict()` gives it
-    (`full_shape`: as `_skeleton` takes it)."""
+    (`full_shape`: as `skeleton` takes it)."""
     keys = native_state_keys(model)
     if not has_state_dict_hooks(model):
         return {k: native[k] for k in keys}
-    skeleton = _skeleton_holding(model, {k: native[k] for k in keys}, full_shape)
+    shell = _skeleton_holding(model, {k: native[k] for k in keys}, full_shape)
     try:
-        return dict(skeleton.state_dict())
+        return dict(shell.state_dict())
     except Exception as err:
         raise RuntimeError(f"rtp_compile: {what}: the model's state_dict hooks failed on the full "
                            f"tensors ({type(err).__name__}: {err}); they must work on tensors "
@@ -74,18 +74,18 @@ def to_native(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
               what: str, full_shape=None) -> dict[str, torch.Tensor]:
     """A state_dict in `model`'s keys as native names, through the model's own load_state_dict
     (its load pre-hooks, strict key and shape checks) on a skeleton (`full_shape`: as
-    `_skeleton` takes it): nothing of the model or of any shard is touched. KeyError /
+    `skeleton` takes it): nothing of the model or of any shard is touched. KeyError /
     ValueError say what does not map; nothing is loaded then."""
-    skeleton = _skeleton(model, full_shape)
+    shell = skeleton(model, full_shape)
     try:
-        skeleton.load_state_dict(dict(state_dict), strict=True, assign=True)
+        shell.load_state_dict(dict(state_dict), strict=True, assign=True)
     except RuntimeError as err:
         message = str(err).replace("\n\t", " ").strip()
         kind = ValueError if "size mismatch" in message else KeyError
         raise kind(f"rtp_compile: {what}: the model's own load_state_dict (with its load hooks) "
                    f"does not take this state_dict: {message}; nothing was loaded") from err
-    tensors = dict(skeleton.named_parameters(remove_duplicate=False))
-    tensors.update(skeleton.named_buffers(remove_duplicate=False))
+    tensors = dict(shell.named_parameters(remove_duplicate=False))
+    tensors.update(shell.named_buffers(remove_duplicate=False))
     return {k: tensors[k].detach() for k in native_state_keys(model)}
 
 
@@ -111,12 +111,12 @@ def state_dict_sources(model: nn.Module) -> dict[str, str | None]:
     keys = native_state_keys(model)
     if not has_state_dict_hooks(model):
         return {k: k for k in keys}
-    skeleton = _skeleton(model)
+    shell = skeleton(model)
     native = {}
     for key in keys:
-        table, leaf = _table_of(skeleton, key)
+        table, leaf = _table_of(shell, key)
         native.setdefault(id(table[leaf]), key)
-    return {k: native.get(id(v)) for k, v in skeleton.state_dict(keep_vars=True).items()}
+    return {k: native.get(id(v)) for k, v in shell.state_dict(keep_vars=True).items()}
 
 
 def hooked_native_keys(model: nn.Module) -> list[str]:
@@ -155,8 +155,8 @@ def _skeleton_holding(model: nn.Module, native: Mapping[str, torch.Tensor],
                       full_shape=None) -> nn.Module:
     """A skeleton of `model` whose tensors under the native keys of `native` are those (no
     copy; state_dict reads these tables, and plain tensors are fine there); the rest meta."""
-    skeleton = _skeleton(model, full_shape)
+    shell = skeleton(model, full_shape)
     for key, tensor in native.items():
-        table, leaf = _table_of(skeleton, key)
+        table, leaf = _table_of(shell, key)
         table[leaf] = tensor
-    return skeleton
+    return shell

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,32 +9,18 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from rtp_compile.codegen import RankEmitter, job_of
+from rtp_compile.codegen import RankEmitter
 from rtp_compile.cost.model import rtp_cost
 from rtp_compile.cost.profile import profile_of
-from rtp_compile.full_checkpoint import checkpoint_keys
-from rtp_compile.model_state import (open_model_checkpoint, state_dict_sources,
-                                     to_model_state_dict)
 from rtp_compile.passes import compile_graph
 from rtp_compile.passes.context import Context
 from rtp_compile.passes.plan import Plan
 from rtp_compile.passes.retarget_meta import retarget_meta
+from rtp_compile.program_state import ProgramState, bind_state
 from rtp_compile.rank_tensors import rank_tensors
-from rtp_compile.runtime import ring
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-_programs: "weakref.WeakKeyDictionary[nn.Module, RTPProgram]" = weakref.WeakKeyDictionary()
-
-
-def program_of(gm: nn.Module) -> "RTPProgram":
-    """The program that emitted rank module `gm` (`RTPProgram.module`)."""
-    try:
-        return _programs[gm]
-    except (KeyError, TypeError):
-        raise ValueError(f"rtp_compile: expected a rank module made by prog.module(rank), got a "
-                         f"{type(gm).__name__}") from None
 
 
 class RTPProgram:
@@ -75,21 +60,12 @@ class RTPProgram:
         """What each pass changed (`passes.pipeline.PassRecord`); `debug=True` keeps code diffs."""
         return self.ctx.pass_log
 
-    def alias_of(self, key: str) -> str | None:
-        """The parameter (as the plan and rank modules name it) that native state key `key`
-        names, under any of its tied names; None for a buffer."""
-        return self._aliases.get(key)
-
     @functools.cached_property
-    def _aliases(self) -> dict[str, str]:
-        return {a: n for n, lay in self.plan.params.items() for a in lay.aliases or (n,)}
-
-    @functools.cached_property
-    def state_dict_sources(self) -> dict[str, str | None]:
-        """`model_state.state_dict_sources` of the model: each of its state_dict keys with the
-        native key it passes on, or None where its hooks compute it (found once, on a
-        skeleton; the model's modules and hooks are fixed for the program)."""
-        return state_dict_sources(self.ctx.model)
+    def state(self) -> ProgramState:
+        """What this program's rank modules keep of it (`program_state`): the layouts, the
+        buffer names and a meta skeleton of the model, never its tensors."""
+        return ProgramState(self.world_size, self.plan.params, self.ctx.buffer_names,
+                            self.ctx.model)
 
     @property
     def graph(self) -> fx.Graph:
@@ -139,7 +115,7 @@ class RTPProgram:
                          shards=tensors.shards, attrs=tensors.attrs, **replicas).emit()
         if tensors.device is not None:  # a meta model's graph, now on a real device
             retarget_meta(gm, tensors.device)
-        _programs[gm] = self
+        bind_state(gm, self.state)
         return gm
 
     def _place_in(self, mesh: DeviceMesh):
@@ -232,36 +208,17 @@ class RTPProgram:
         """What the unsharded model saves for backward on such a batch, on fake tensors."""
         return profile_of(self.ctx, batch_size, seq_len, example_kwargs)
 
-    # -- full state ----------------------------------------------------------------------
+    # -- full state (what a rank module keeps of the program: `program_state`) ----------
     def full_state_dict(self, gm: nn.Module) -> dict[str, torch.Tensor]:
         """Collective: the model's state_dict (its keys, through its own state-dict hooks; full
         shapes, padding removed)."""
-        full = {}
-        for name, layout in self.plan.params.items():
-            tensor = self.full_tensor(gm, name)
-            for alias in layout.aliases:
-                full[alias] = tensor
-        for name in self.ctx.buffer_names:
-            full[name] = self.full_tensor(gm, name)
-        return to_model_state_dict(self.ctx.model, full, "full_state_dict")
+        return self.state.full_state_dict(gm)
 
     def full_tensor(self, gm: nn.Module, key: str) -> torch.Tensor:
         """Collective for a parameter: the full tensor of native key `key` (a parameter under
         any of its names, all ranks' shards gathered, padding removed; or a buffer, this rank's
         copy)."""
-        name = self.alias_of(key)
-        if name is None:
-            return gm.get_buffer(key).detach().clone()
-        layout = self.plan.params[name]
-        return layout.unshard(self._all_gather(gm.get_parameter(name).detach(),
-                                               job_of(gm).group_name))
-
-    def _all_gather(self, shard: torch.Tensor, group_name: str) -> list[torch.Tensor]:
-        if self.world_size == 1:
-            return [shard.clone()]
-        out = [torch.empty_like(shard) for _ in range(self.world_size)]
-        ring.all_gather(out, shard.contiguous(), group_name)
-        return out
+        return self.state.full_tensor(gm, key)
 
     def load_full_state_dict(self, gm: nn.Module, state_dict) -> None:
         """Take a full state_dict into the shards of `gm`: a mapping (as from full_state_dict or
@@ -271,17 +228,4 @@ class RTPProgram:
         parameter may be stored under any of its names. The keys are the model's own: a model
         whose modules rename them with state-dict hooks has them taken back by its load
         pre-hooks (`rtp_compile.model_state`; the checkpoint is then read whole)."""
-        rank = job_of(gm).rank
-        source = open_model_checkpoint(state_dict, self.ctx.model, "load_full_state_dict")
-        try:
-            buffers = {n: tuple(gm.get_buffer(n).shape) for n in self.ctx.buffer_names}
-            keys = checkpoint_keys(source, self.plan.params, buffers, "load_full_state_dict")
-            with torch.no_grad():
-                for name, layout in self.plan.params.items():
-                    param = gm.get_parameter(name)
-                    param.copy_(source.read_shard(keys[name], layout, rank)
-                                .to(param.device, param.dtype))
-                for name in self.ctx.buffer_names:
-                    gm.get_buffer(name).copy_(source.read(keys[name]))
-        finally:
-            source.close()
+        self.state.load_full_state_dict(gm, state_dict)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import rtp_compile
+from hf_zoo import logits_of
 from rtp_compile.models import GPTConfig, TinyGPT, lm_loss
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -237,3 +238,29 @@ def test_a_policy_that_is_not_fsdp2s_is_refused():
         rtp_compile.transform(MLP(), 1, mp_policy={"param_dtype": torch.bfloat16})
     with pytest.raises(ValueError, match="param_dtype must be None or a floating-point"):
         rtp_compile.transform(MLP(), 1, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5", "torch_encoder"])
+def test_an_exported_model_is_captured_computing_in_param_dtype(name):
+    """torch.export bakes the dtypes a model's code derives from its parameters into the graph
+    (a norm's cast back to its input's dtype, a mask's `finfo(dtype).min`) and asserts the
+    ones it saw; so the model is captured as FSDP2 runs it, its parameters in `param_dtype`,
+    and export's dtype assertions are dropped. The user's parameters are untouched, and one
+    rank computes what the model cast to bfloat16 computes (FSDP2 at N = 1), to bfloat16
+    rounding. One rank: no process group needed."""
+    pytest.importorskip("transformers")
+    from hf_zoo import build_hf, hf_batch
+    model = build_hf(name, 0).float()
+    batch = {k: v.float() if v.is_floating_point() else v
+             for k, v in hf_batch(name, 0, 0, 0).items()}
+    storages = [p.data_ptr() for p in model.parameters()]
+    prog = rtp_compile.transform(model, 1, example_kwargs=batch, mp_policy=BF16)
+    assert [p.data_ptr() for p in model.parameters()] == storages
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert not [n for n in prog.graph_module.graph.nodes
+                if n.target is torch.ops.aten._assert_tensor_metadata.default]
+    out = logits_of(prog.module(0)(**batch))
+    assert out.dtype == torch.bfloat16
+    reference = logits_of(model.to(torch.bfloat16)(
+        **{k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in batch.items()}))
+    torch.testing.assert_close(out.float(), reference.float(), atol=0.05, rtol=0.05)

@@ -54,9 +54,11 @@ class _ParamUse(TorchDispatchMode):
 
 
 def profile_forward(module: torch.nn.Module, params: dict[str, torch.Tensor], inputs: dict,
-                    loss_keeps_output: bool = True) -> Profile:
+                    loss_keeps_output: bool = True, compute=lambda dtype: dtype) -> Profile:
     """Run `module(**inputs)` on fake tensors (the inputs are (shape, dtype) specs) with
-    `params` (canonical name -> tensor, meta or real; never read) and record what it saves.
+    `params` (canonical name -> tensor, meta or real; never read), each in the dtype
+    `compute(its dtype)` (mixed precision: what the graph was captured computing in), and
+    record what it saves.
 
     `loss_keeps_output`: count one more tensor the size of the output, as a cross-entropy loss
     saves its log-softmax."""
@@ -66,7 +68,7 @@ def profile_forward(module: torch.nn.Module, params: dict[str, torch.Tensor], in
     seen: set[int] = set()
     with FakeTensorMode(allow_non_fake_inputs=True):
         device = "cpu"
-        fake = {name: torch.empty(p.shape, dtype=p.dtype, device=device,
+        fake = {name: torch.empty(p.shape, dtype=compute(p.dtype), device=device,
                                   requires_grad=p.requires_grad) for name, p in params.items()}
         state = {alias: fake[name] for name, alias in _aliases(module, params)}
         for node in module.graph.nodes:  # buffers and constants, fake and on cpu too
@@ -137,7 +139,8 @@ def profile_of(ctx, batch_size: int, seq_len: int | None = None,
     key = tuple(sorted((k, shape, str(dtype)) for k, (shape, dtype) in specs.items()))
     profiles = _profiles.setdefault(ctx.reference, {})
     if key not in profiles:
-        profiles[key] = profile_forward(ctx.reference, ctx.params, specs)
+        profiles[key] = profile_forward(ctx.reference, ctx.params, specs,
+                                        compute=ctx.precision.compute)
     return profiles[key]
 
 

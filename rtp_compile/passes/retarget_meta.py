@@ -25,7 +25,7 @@ def _on_target(value, device: torch.device, is_device_arg: bool = False):
 
 def retarget_meta(gm: fx.GraphModule, device: torch.device) -> None:
     """A graph captured from a meta model names the meta device where it creates or checks
-    tensors (`arange(..., device=meta)`, export's `_assert_tensor_metadata`, `.to(meta)`): point
+    tensors (`arange(..., device=meta)`, `.to(meta)`): point
     those at `device`, in `gm` and in the graph modules it calls (replaced by retargeted copies,
     as the program shares them between ranks)."""
     def rewrite(graph: fx.Graph) -> bool:
