@@ -17,10 +17,12 @@ import torch
 from torch import nn
 
 import rtp_compile
-from backend_jobs import compiled_parity, graph_breaks
+from backend_jobs import compiled_parity, default_backend, graph_breaks
 from rtp_compile.compiler import transform
 
 TOL = 1e-9
+F32 = 1e-5  # float32 through inductor, as test_compile_rank's
+F32_AFTER_ADAMW = 1e-4
 
 
 def _check_parity(results, world_size):
@@ -64,6 +66,25 @@ def test_three_ranks(seed):
     results = rtp_compile.launch(compiled_parity, 3, args=(cases, seed), timeout=240)
     assert list(results[0]) == cases
     _check_parity(results, 3)
+
+
+@pytest.mark.timeout(400)
+def test_default_backend_compiles_one_frame_per_rank_program(seed):
+    """Llama in float32 through `rtp_compile.backend()` with every default: each rank program
+    is compiled by inductor as one frame (dynamo compiles the user's frame while the backend
+    emits the rank module, and the code fx generates then is code dynamo skips: compiled as
+    emitted, each unit's runtime module would be a frame of its own, guarded on its key, and
+    fullgraph fails past the recompile limit), and two AdamW steps train like DDP."""
+    results = rtp_compile.launch(default_backend, 2, args=("llama", seed), timeout=380)
+    for rank, r in enumerate(results):
+        assert r["programs"] >= 1 and r["rank_frames"] == r["programs"], \
+            f"rank {rank}: {r['rank_frames']} frames compiled for {r['programs']} rank programs"
+        for what, tol in (("output", F32), ("loss", F32), ("grad", F32),
+                          ("param", F32_AFTER_ADAMW)):
+            assert r[what] <= tol, f"rank {rank}: {what} rel. error {r[what]:.2e}"
+        assert r["graphs"] == [r["programs"]] * 2, f"rank {rank}: recompiled {r['graphs']}"
+        assert r["sharded"], f"rank {rank}: a parameter has no shard (the backend did not run)"
+        assert 0.8 / 2 <= r["held"] <= 1.25 / 2, f"rank {rank}: holds {r['held']:.3f}"
 
 
 @pytest.mark.timeout(300)
