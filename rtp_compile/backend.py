@@ -76,12 +76,14 @@ class RTPBackend:
                              **self.transform_opts)
         self.programs.append(prog)
         # the rank module holds placeholders: every call binds the shards of the parameters
-        # it is passed (and a graph dynamo keeps cached keeps no shard alive)
-        shards = {name: torch.zeros((), dtype=lay.dtype, device=prog.ctx.params[name].device)
-                  .expand(lay.shard_shape)
+        # and the buffers it is passed (a graph dynamo keeps cached keeps no shard alive, and
+        # no copy of a buffer)
+        shards = {name: _placeholder(lay.shard_shape, lay.dtype, prog.ctx.params[name].device)
                   for name, lay in prog.plan.params.items()}
-        rank_gm = RankEmitter(prog.ctx, prog.graph_module, rank, group_name,
-                              shards=shards).emit()
+        buffers = {name: _placeholder(b.shape, b.dtype, b.device)
+                   for name, i in lifted.buffers.items() for b in [example_inputs[i]]}
+        rank_gm = RankEmitter(prog.ctx, prog.graph_module, rank, group_name, shards=shards,
+                              attrs=buffers).emit()
         return BoundRankProgram(self.rank_compiler, rank_gm, lifted, prog.plan.params, rank,
                                 group_name)
 
@@ -100,6 +102,12 @@ def backend(world_size: int | None = None, group: dist.ProcessGroup | None = Non
     `rtp_compile.full_state_dict(model)`, clip with `rtp_compile.clip_grad_norm_(model, ...)`;
     or call `rtp_compile.shard(model, N)` before compiling, so the model holds its shards."""
     return RTPBackend(world_size, group, rank_compiler, **transform_opts)
+
+
+def _placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor of `shape` holding one element: what the rank module keeps where every call
+    binds the real tensor."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 def _full_shape(tensor: torch.Tensor) -> tuple[int, ...] | None:

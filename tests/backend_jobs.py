@@ -67,6 +67,45 @@ def held_fraction(model: nn.Module) -> float:
     return sum(storages.values()) / full
 
 
+def held_state_fraction(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """Bytes of every tensor alive in this process (found through gc, each storage once; plain
+    tensors and parameters: a subclass wraps one of those or holds nothing) over those of the
+    model's full parameters, their gradients and `optimizer`'s state for them (its tensors per
+    element: AdamW's two moments), divided by the world size."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor):
+            continue
+        for t in (obj, obj.grad):
+            if type(t) not in (torch.Tensor, nn.Parameter) or t.is_meta:
+                continue
+            try:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            except RuntimeError:  # an "invalid python storage": a fake tensor's, no memory
+                continue
+    state = next(s for s in optimizer.state.values() if s)
+    per_element = sum(torch.is_tensor(v) and v.dim() > 0 for v in state.values())
+    full = sum(math.prod(shard_registry.entry_of(p).layout.shape) * p.element_size()
+               for p in model.parameters())
+    return sum(storages.values()) / ((2 + per_element) * full / dist.get_world_size())
+
+
+def bound_bytes() -> int:
+    """Bytes the rank modules of the programs alive hold in the parameters and buffers every
+    call binds, beyond a one-element placeholder each (a copy of a buffer, a shard)."""
+    from rtp_compile.backend import BoundRankProgram
+    held = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, BoundRankProgram):
+            gm = obj.rank_gm
+            tensors = {**dict(gm.named_parameters(remove_duplicate=False)),
+                       **dict(gm.named_buffers(remove_duplicate=False))}
+            held += sum(max(tensors[n].untyped_storage().nbytes() - tensors[n].element_size(), 0)
+                        for n in [*obj.layouts, *obj.buffers])
+    return held
+
+
 def train_compiled_next_to_ddp(model, call, logits, tokens, rank, seed, contract,
                                backend, steps: int = STEPS) -> dict:
     """Train `model` compiled with `backend` (contract "b": optimizer built first, then
@@ -168,6 +207,8 @@ def default_backend(rank: int, world_size: int, name: str, seed: int) -> dict:
     result["rank_frames"] = counters["stats"]["unique_graphs"] - len(backend.programs)
     loss_of(logits(call(compiled, tokens(rank, seed))), seed).backward()  # with gradients
     result["held"] = held_fraction(model)
+    result["held_state"] = held_state_fraction(model, opt)
+    result["bound_bytes"] = bound_bytes()
     return result
 
 

@@ -79,7 +79,9 @@ def test_default_backend_compiles_one_frame_per_rank_program(seed):
     is compiled by inductor as one frame (dynamo compiles the user's frame while the backend
     emits the rank module, and the code fx generates then is code dynamo skips: compiled as
     emitted, each unit's runtime module would be a frame of its own, guarded on its key, and
-    fullgraph fails past the recompile limit), and two AdamW steps train like DDP."""
+    fullgraph fails past the recompile limit), and two AdamW steps train like DDP. The process
+    then holds at most 1.10 / N of the model's state, and the rank modules dynamo keeps hold no
+    copy of a tensor each call binds (a buffer)."""
     results = rtp_compile.launch(default_backend, 2, args=("llama", seed), timeout=380)
     for rank, r in enumerate(results):
         assert r["programs"] >= 1 and r["rank_frames"] == r["programs"], \
@@ -90,6 +92,10 @@ def test_default_backend_compiles_one_frame_per_rank_program(seed):
         assert r["graphs"] == [r["programs"]] * 2, f"rank {rank}: recompiled {r['graphs']}"
         assert r["sharded"], f"rank {rank}: a parameter has no shard (the backend did not run)"
         assert 0.8 / 2 <= r["held"] <= 1.25 / 2, f"rank {rank}: holds {r['held']:.3f}"
+        # every live tensor, over the full parameters, gradients and AdamW moments / N
+        assert r["held_state"] <= 1.10, f"rank {rank}: holds {r['held_state']:.3f} of 1/N"
+        # dynamo's cache keeps the rank modules: only placeholders where calls bind tensors
+        assert r["bound_bytes"] == 0, f"rank {rank}: rank modules hold {r['bound_bytes']} B"
 
 
 @pytest.mark.timeout(300)
