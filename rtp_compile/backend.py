@@ -6,10 +6,12 @@ parameters already sharded fixed (so a parameter met in two graphs, a tied weigh
 layout), emit this rank's module, and hand it to the rank compiler (`rank_compiler`: by
 default "inductor" compiles the rank module whole, ring hops included, as
 `torch.compile(prog.module(rank), fullgraph=True)` does; "aot_eager" likewise without
-inductor's kernels; "eager" runs the module as emitted). The callable returned binds, at every call, the shards of the
-parameters passed *then* (by identity: dynamo guards check only metadata, so one graph serves
-every identical layer) and the user's own buffers; after the first call the full parameters'
-storage is released (`shard_registry`).
+inductor's kernels; "eager" runs the module as emitted) at its first call, outside dynamo's
+compile of the user's frame (which marks the fx code generated during it as code to skip).
+The callable returned binds, at every call, the shards of the parameters passed *then* (by
+identity: dynamo guards check only metadata, so one graph serves every identical layer) and
+the user's own buffers; after the first call the full parameters' storage is released
+(`shard_registry`).
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ class RTPBackend:
 
     `world_size`: ranks of the ring (default: the size of `group`, the job's when None);
     `rank_compiler`: "inductor", "aot_eager", "eager" or a callable `(rank GraphModule,
-    example inputs) -> callable` that runs the emitted rank module; `transform_opts`: `rtp_compile.transform`'s options.
+    example inputs) -> callable` that runs the emitted rank module (called at the program's
+    first call, with its inputs); `transform_opts`: `rtp_compile.transform`'s options.
     `programs` keeps each graph's program (in compile order), for inspection."""
 
     def __init__(self, world_size: int | None = None, group: dist.ProcessGroup | None = None,
@@ -73,14 +76,16 @@ class RTPBackend:
                              **self.transform_opts)
         self.programs.append(prog)
         # the rank module holds placeholders: every call binds the shards of the parameters
-        # it is passed (and a graph dynamo keeps cached keeps no shard alive)
-        shards = {name: torch.zeros((), dtype=lay.dtype, device=prog.ctx.params[name].device)
-                  .expand(lay.shard_shape)
+        # and the buffers it is passed (a graph dynamo keeps cached keeps no shard alive, and
+        # no copy of a buffer)
+        shards = {name: _placeholder(lay.shard_shape, lay.dtype, prog.ctx.params[name].device)
                   for name, lay in prog.plan.params.items()}
-        rank_gm = RankEmitter(prog.ctx, prog.graph_module, rank, group_name,
-                              shards=shards).emit()
-        return BoundRankProgram(self.rank_compiler(rank_gm, list(user)), rank_gm, lifted,
-                                prog.plan.params, rank, group_name)
+        buffers = {name: _placeholder(b.shape, b.dtype, b.device)
+                   for name, i in lifted.buffers.items() for b in [example_inputs[i]]}
+        rank_gm = RankEmitter(prog.ctx, prog.graph_module, rank, group_name, shards=shards,
+                              attrs=buffers).emit()
+        return BoundRankProgram(self.rank_compiler, rank_gm, lifted, prog.plan.params, rank,
+                                group_name)
 
 
 def backend(world_size: int | None = None, group: dist.ProcessGroup | None = None,
@@ -97,6 +102,12 @@ def backend(world_size: int | None = None, group: dist.ProcessGroup | None = Non
     `rtp_compile.full_state_dict(model)`, clip with `rtp_compile.clip_grad_norm_(model, ...)`;
     or call `rtp_compile.shard(model, N)` before compiling, so the model holds its shards."""
     return RTPBackend(world_size, group, rank_compiler, **transform_opts)
+
+
+def _placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor of `shape` holding one element: what the rank module keeps where every call
+    binds the real tensor."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 def _full_shape(tensor: torch.Tensor) -> tuple[int, ...] | None:
@@ -142,13 +153,26 @@ def _shard_for(param: torch.Tensor, layout: ParamLayout, rank: int,
 
 class BoundRankProgram:
     """What the backend returns for one graph: runs the rank module with the shards of the
-    parameters it is called with, and the user's buffers, bound for the call."""
+    parameters it is called with, and the user's buffers, bound for the call.
 
-    def __init__(self, run, rank_gm: fx.GraphModule, lifted: Lifted,
+    The rank compiler gets the module at the first call, not when the backend emits it: while
+    dynamo compiles the user's frame it marks the code of every GraphModule generated then as
+    code to skip (`fx_forward_from_src_skip_result`), so a `torch.compile` of the module as
+    emitted would not trace its forward but compile each runtime module it calls as a frame of
+    its own, one per unit (guarded on the unit's key: past the recompile limit, fullgraph fails).
+    The first call runs outside that compile: the code is generated again there."""
+
+    def __init__(self, compiler, rank_gm: fx.GraphModule, lifted: Lifted,
                  layouts: dict[str, ParamLayout], rank: int, group_name: str):
-        self.run, self.rank_gm = run, rank_gm
+        self.compiler, self.run, self.rank_gm = compiler, None, rank_gm
         self.params, self.buffers, self.inputs = lifted.params, lifted.buffers, lifted.inputs
         self.layouts, self.rank, self.group_name = layouts, rank, group_name
+
+    def _compiled(self, inputs: list) -> None:
+        for module in self.rank_gm.modules():  # the root and its bodies (fused, checkpointed)
+            if isinstance(module, fx.GraphModule):
+                module.recompile()
+        self.run, self.compiler = self.compiler(self.rank_gm, inputs), None
 
     def __call__(self, *args):
         bound, full = {}, []
@@ -158,8 +182,11 @@ class BoundRankProgram:
             if entry.shard is not args[i]:
                 full.append(args[i])
         bound.update({name: args[i] for name, i in self.buffers.items()})
+        inputs = [args[i] for i in self.inputs]
         with _bound(self.rank_gm, bound):
-            out = self.run(*[args[i] for i in self.inputs])
+            if self.run is None:
+                self._compiled(inputs)
+            out = self.run(*inputs)
         for param in full:
             registry.release(param)
         return out

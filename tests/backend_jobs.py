@@ -67,10 +67,49 @@ def held_fraction(model: nn.Module) -> float:
     return sum(storages.values()) / full
 
 
+def held_state_fraction(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """Bytes of every tensor alive in this process (found through gc, each storage once; plain
+    tensors and parameters: a subclass wraps one of those or holds nothing) over those of the
+    model's full parameters, their gradients and `optimizer`'s state for them (its tensors per
+    element: AdamW's two moments), divided by the world size."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor):
+            continue
+        for t in (obj, obj.grad):
+            if type(t) not in (torch.Tensor, nn.Parameter) or t.is_meta:
+                continue
+            try:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            except RuntimeError:  # an "invalid python storage": a fake tensor's, no memory
+                continue
+    state = next(s for s in optimizer.state.values() if s)
+    per_element = sum(torch.is_tensor(v) and v.dim() > 0 for v in state.values())
+    full = sum(math.prod(shard_registry.entry_of(p).layout.shape) * p.element_size()
+               for p in model.parameters())
+    return sum(storages.values()) / ((2 + per_element) * full / dist.get_world_size())
+
+
+def bound_bytes() -> int:
+    """Bytes the rank modules of the programs alive hold in the parameters and buffers every
+    call binds, beyond a one-element placeholder each (a copy of a buffer, a shard)."""
+    from rtp_compile.backend import BoundRankProgram
+    held = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, BoundRankProgram):
+            gm = obj.rank_gm
+            tensors = {**dict(gm.named_parameters(remove_duplicate=False)),
+                       **dict(gm.named_buffers(remove_duplicate=False))}
+            held += sum(max(tensors[n].untyped_storage().nbytes() - tensors[n].element_size(), 0)
+                        for n in [*obj.layouts, *obj.buffers])
+    return held
+
+
 def train_compiled_next_to_ddp(model, call, logits, tokens, rank, seed, contract,
-                               backend) -> dict:
+                               backend, steps: int = STEPS) -> dict:
     """Train `model` compiled with `backend` (contract "b": optimizer built first, then
-    compiled; "a": rtp_compile.shard first) next to DDP for STEPS AdamW steps; the max relative
+    compiled; "a": rtp_compile.shard first) next to DDP for `steps` AdamW steps; the max relative
     errors of the first output (vs the eager model), the first gradients and the parameters
     after each step (vs DDP), and what the backend made."""
     reference, ddp = copy.deepcopy(model), DDP(copy.deepcopy(model))
@@ -81,7 +120,7 @@ def train_compiled_next_to_ddp(model, call, logits, tokens, rank, seed, contract
     compiled = torch.compile(model, backend=backend)
     errors = {"output": 0.0, "loss": 0.0, "grad": 0.0, "param": 0.0}
     graphs = []
-    for step in range(STEPS):
+    for step in range(steps):
         x = tokens(rank, seed + step)
         out = logits(call(compiled, x))
         if step == 0:
@@ -104,7 +143,7 @@ def train_compiled_next_to_ddp(model, call, logits, tokens, rank, seed, contract
             rel_err(full[k], v, LR) for k, v in ddp.module.state_dict().items()))
         graphs.append(len(backend.programs))
     if contract == "a":  # run uncompiled, the sharded model gathers each weight it reads
-        x = tokens(rank, seed + STEPS)
+        x = tokens(rank, seed + steps)
         out, ddp_out = logits(call(model, x)), logits(call(ddp, x))
         errors["eager"] = rel_err(out, ddp_out)
         loss_of(out, seed).backward()
@@ -146,6 +185,31 @@ def compiled_parity(rank: int, world_size: int, cases: list, seed: int) -> dict:
         results[(name, contract, rank_compiler)] = result
         del model, opt, compiled
     return results
+
+
+def default_backend(rank: int, world_size: int, name: str, seed: int) -> dict:
+    """`name` in float32 through `rtp_compile.backend()` with every default (the rank programs
+    compiled whole by inductor), the optimizer built first (contract b), 2 AdamW steps next to
+    DDP; and the frames dynamo compiled for rank programs: all it compiled (the model's graphs,
+    one per program, and the rank programs') less the model's."""
+    torch.set_default_dtype(torch.float32)
+    zoo, tokens = models()
+    factory, call, logits = zoo[name]
+    torch.manual_seed(seed)
+    model = factory().to(torch.float32)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    backend = rtp_compile.backend()
+    result, opt, compiled = train_compiled_next_to_ddp(model, call, logits, tokens, rank, seed,
+                                                       "b", backend, steps=2)
+    result["programs"] = len(backend.programs)
+    result["rank_frames"] = counters["stats"]["unique_graphs"] - len(backend.programs)
+    loss_of(logits(call(compiled, tokens(rank, seed))), seed).backward()  # with gradients
+    result["held"] = held_fraction(model)
+    result["held_state"] = held_state_fraction(model, opt)
+    result["bound_bytes"] = bound_bytes()
+    return result
 
 
 class Layer(nn.Module):

@@ -17,10 +17,17 @@ import torch
 from torch import nn
 
 import rtp_compile
-from backend_jobs import compiled_parity, graph_breaks
+from backend_jobs import compiled_parity, default_backend, graph_breaks
 from rtp_compile.compiler import transform
 
 TOL = 1e-9
+F32 = 1e-5  # float32 through inductor, first step (measured: up to 8e-7)
+F32_AFTER_ADAMW = 1e-4  # the loss of a step after an AdamW step (measured: up to 5e-6)
+# AdamW moves an element by about lr whatever its gradient: where a gradient is about eps,
+# float32 rounding changes its update (measured: parameters up to 8e-4 off, relative to their
+# largest element); a step not taken or taken twice is off by lr / max |W|, above 0.2 for the
+# weight matrices of the tiny Llama (init std 0.02)
+F32_PARAMS_AFTER_ADAMW = 1e-2
 
 
 def _check_parity(results, world_size):
@@ -64,6 +71,31 @@ def test_three_ranks(seed):
     results = rtp_compile.launch(compiled_parity, 3, args=(cases, seed), timeout=240)
     assert list(results[0]) == cases
     _check_parity(results, 3)
+
+
+@pytest.mark.timeout(400)
+def test_default_backend_compiles_one_frame_per_rank_program(seed):
+    """Llama in float32 through `rtp_compile.backend()` with every default: each rank program
+    is compiled by inductor as one frame (dynamo compiles the user's frame while the backend
+    emits the rank module, and the code fx generates then is code dynamo skips: compiled as
+    emitted, each unit's runtime module would be a frame of its own, guarded on its key, and
+    fullgraph fails past the recompile limit), and two AdamW steps train like DDP. The process
+    then holds at most 1.10 / N of the model's state, and the rank modules dynamo keeps hold no
+    copy of a tensor each call binds (a buffer)."""
+    results = rtp_compile.launch(default_backend, 2, args=("llama", seed), timeout=380)
+    for rank, r in enumerate(results):
+        assert r["programs"] >= 1 and r["rank_frames"] == r["programs"], \
+            f"rank {rank}: {r['rank_frames']} frames compiled for {r['programs']} rank programs"
+        for what, tol in (("output", F32), ("grad", F32), ("loss", F32_AFTER_ADAMW),
+                          ("param", F32_PARAMS_AFTER_ADAMW)):
+            assert r[what] <= tol, f"rank {rank}: {what} rel. error {r[what]:.2e}"
+        assert r["graphs"] == [r["programs"]] * 2, f"rank {rank}: recompiled {r['graphs']}"
+        assert r["sharded"], f"rank {rank}: a parameter has no shard (the backend did not run)"
+        assert 0.8 / 2 <= r["held"] <= 1.25 / 2, f"rank {rank}: holds {r['held']:.3f}"
+        # every live tensor, over the full parameters, gradients and AdamW moments / N
+        assert r["held_state"] <= 1.10, f"rank {rank}: holds {r['held_state']:.3f} of 1/N"
+        # dynamo's cache keeps the rank modules: only placeholders where calls bind tensors
+        assert r["bound_bytes"] == 0, f"rank {rank}: rank modules hold {r['bound_bytes']} B"
 
 
 @pytest.mark.timeout(300)
