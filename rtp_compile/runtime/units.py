@@ -62,10 +62,10 @@ class GradientRing:
         self.acc = None
 
     def result(self, scale: float) -> list[torch.Tensor]:
-        """The own shards' gradients, scaled, in the shards' dtype (a copy only where the
-        reduce dtype is another)."""
-        return [(a.mul_(scale) if scale != 1 else a).to(lay.dtype)
-                for a, lay in zip(self.acc, self.layouts)]
+        """The own shards' gradients, scaled, in the shards' dtype, each a tensor of its own:
+        the accumulators are views of one message, and a view autograd keeps as `.grad` would
+        hold the whole message alive (as `BucketState.reduce_scatter` copies too)."""
+        return [torch.mul(a, scale).to(lay.dtype) for a, lay in zip(self.acc, self.layouts)]
 
 
 class _UnitGrad(torch.autograd.Function):
