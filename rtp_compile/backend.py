@@ -70,6 +70,7 @@ class RTPBackend:
         lifted = lift(_unshards_removed(gm), example_inputs, _full_shape)
         fixed = [(name, e.layout.dim, e.layout.granule) for name, i in lifted.params.items()
                  if (e := registry.entry_of(example_inputs[i])) is not None]
+        self._check_precision(lifted, example_inputs)
         user = tuple(example_inputs[i] for i in lifted.inputs)
         with torch._guards.tracing(None):  # export must not reuse dynamo's fake mode
             prog = transform(lifted.gm, world_size, example_inputs=user, fixed_layouts=fixed,
@@ -86,6 +87,27 @@ class RTPBackend:
                               attrs=buffers).emit()
         return BoundRankProgram(self.rank_compiler, rank_gm, lifted, prog.plan.params, rank,
                                 group_name)
+
+    def _check_precision(self, lifted: Lifted, example_inputs) -> None:
+        """Mixed precision needs a graph that dynamo traced computing in `param_dtype`: of a
+        model sharded with the same policy (`rtp_compile.shard(model, mp_policy=...)`), whose
+        weights read in it. A graph of full parameters computes in their dtype, and the dtypes
+        the model's code derives from them are constants in it."""
+        policy = self.transform_opts.get("mp_policy")
+        wanted = None if policy is None else policy.param_dtype
+        computes = wanted or "each parameter's own dtype (no mp_policy)"
+        for name, i in lifted.params.items():
+            entry = registry.entry_of(example_inputs[i])
+            read_in = None if entry is None else entry.compute_dtype
+            if example_inputs[i].is_floating_point() and read_in != wanted:
+                raise RuntimeError(
+                    f"rtp_compile backend: parameter {name} is read in "
+                    f"{read_in or example_inputs[i].dtype}, but the backend's mp_policy "
+                    f"computes in {computes}. Dynamo traces a model "
+                    "in the dtype its weights are read in, so shard it first with the backend's "
+                    "policy: model = rtp_compile.shard(model, mp_policy=policy), then "
+                    "torch.compile(model, backend=rtp_compile.backend(mp_policy=policy)), as "
+                    "FSDP2 takes fully_shard(model, mp_policy=...) before torch.compile.")
 
 
 def backend(world_size: int | None = None, group: dist.ProcessGroup | None = None,

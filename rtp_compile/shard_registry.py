@@ -26,11 +26,13 @@ from rtp_compile.runtime import ring
 @dataclass
 class Sharded:
     """A parameter laid out for the ring: this rank's `shard` (the Parameter an optimizer
-    steps), its `layout`, and the ring (`rank` in group `group_name`)."""
+    steps), its `layout`, the ring (`rank` in group `group_name`), and `compute_dtype`, the
+    dtype the model reads its weight in (mixed precision's `param_dtype`; None: its own)."""
     layout: ParamLayout
     shard: nn.Parameter
     rank: int
     group_name: str
+    compute_dtype: torch.dtype | None = None
 
     def keeps(self, layout: ParamLayout) -> bool:
         """Whether `layout` cuts the parameter as this one does (names may differ per graph)."""

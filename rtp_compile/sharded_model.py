@@ -33,7 +33,12 @@ def shard(model: nn.Module, world_size: int | None = None, example_inputs=None, 
     whole model (so it needs what transform needs to capture it). Afterwards build the optimizer
     on `model.parameters()` (the shards) and compile with `backend="rtp"` (or
     `rtp_compile.backend(...)` with the same options); run uncompiled, each weight is
-    all-gathered when read. State: `rtp_compile.full_state_dict(model)`."""
+    all-gathered when read. State: `rtp_compile.full_state_dict(model)`.
+
+    `mp_policy` (a transform option): the shards stay in the model's dtype and every weight is
+    read in `param_dtype`, as FSDP2's `fully_shard(model, mp_policy=...)` has the model compute,
+    so dynamo traces the model computing in it: mixed precision through the compile backend
+    takes the model sharded this way, with the backend given the same policy."""
     if any(registry.sharded(p) is not None for p in model.parameters()):
         raise ValueError(f"rtp_compile.shard: {type(model).__name__} is already sharded")
     world_size = world_size or dist.get_world_size(group)
@@ -41,6 +46,7 @@ def shard(model: nn.Module, world_size: int | None = None, example_inputs=None, 
     group_name = "" if group is None or group == dist.group.WORLD else group.group_name
     prog = transform(model, world_size, example_inputs, example_kwargs=example_kwargs,
                      grad_reduction=grad_reduction, **transform_opts)
+    compute_dtype = prog.ctx.precision.param_dtype
     scale = 1.0 / world_size if grad_reduction == "mean" else 1.0
     canonical = prog.ctx.canonical
     shards: dict[int, registry.Sharded] = {}
@@ -49,7 +55,9 @@ def shard(model: nn.Module, world_size: int | None = None, example_inputs=None, 
         if entry is None:
             layout = prog.plan.params[canonical[name]]
             piece = nn.Parameter(layout.shard(p.detach(), rank), requires_grad=p.requires_grad)
-            entry = shards[id(p)] = registry.Sharded(layout, piece, rank, group_name)
+            entry = shards[id(p)] = registry.Sharded(
+                layout, piece, rank, group_name,
+                compute_dtype if p.is_floating_point() else None)
             registry.register_shard(entry)
         owner_name, _, leaf = name.rpartition(".")
         _read_through_unshard(model.get_submodule(owner_name), leaf, entry, scale)
@@ -69,7 +77,8 @@ def _read_through_unshard(module: nn.Module, leaf: str, entry: registry.Sharded,
     shape, dim = list(layout.shape), -1 if layout.dim is None else layout.dim
 
     def full(self, _leaf=leaf):
-        return unshard(self._parameters[_leaf], shape, dim, entry.group_name, scale)
+        weight = unshard(self._parameters[_leaf], shape, dim, entry.group_name, scale)
+        return weight if entry.compute_dtype is None else weight.to(entry.compute_dtype)
 
     setattr(cls, leaf, property(full))
 

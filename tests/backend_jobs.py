@@ -328,3 +328,41 @@ def stepped_before_compiling(rank: int, world_size: int) -> str:
     opt.step()
     torch.compile(model, backend="rtp")(torch.randn(2, 6)).sum().backward()
     return _raises(opt.step)
+
+
+def mixed_precision(rank: int, world_size: int, names: list, seed: int) -> dict:
+    """Per model: the loss and full gradients of one step of FSDP2 with a bfloat16 policy, of
+    FSDP2 in float32, and of the model sharded with the policy (`rtp_compile.shard(model,
+    mp_policy=...)`) and compiled by the backend with it; and what the backend says of the same
+    policy on a model it was not sharded with (contract b)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    table, tokens = models()
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for name in names:
+        factory, call, logits = table[name]
+        torch.manual_seed(seed)
+        model, x = factory().float(), tokens(rank, 0)
+        result = {}
+        for tag, kwargs in (("fp32", {}), ("fsdp2", {"mp_policy": policy})):
+            fsdp = fully_shard(copy.deepcopy(model), mesh=mesh, **kwargs)
+            loss = logits(call(fsdp, x)).float().pow(2).mean()
+            loss.backward()
+            result[tag] = (loss.item(), {n: p.grad.full_tensor()
+                                         for n, p in fsdp.named_parameters()})
+        plain = copy.deepcopy(model)
+        sharded = rtp_compile.shard(model, world_size, example_kwargs={"input_ids": x}
+                                    if name != "tinygpt" else None,
+                                    example_inputs=(x,) if name == "tinygpt" else None,
+                                    mp_policy=policy)
+        compiled = torch.compile(sharded, backend=rtp_compile.backend(
+            world_size, rank_compiler="eager", mp_policy=policy))
+        loss = logits(call(compiled, x)).float().pow(2).mean()
+        loss.backward()
+        result["rtp"] = (loss.item(), full_grads(sharded))
+        result["refused"] = _raises(lambda: call(torch.compile(plain, backend=rtp_compile.backend(
+            world_size, rank_compiler="eager", mp_policy=policy)), x))
+        out[name] = result
+    return out

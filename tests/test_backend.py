@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import rtp_compile
-from backend_jobs import compiled_parity, default_backend, graph_breaks
+from backend_jobs import compiled_parity, default_backend, graph_breaks, mixed_precision
 from rtp_compile.compiler import transform
 
 TOL = 1e-9
@@ -173,3 +173,29 @@ def test_fixed_layouts_are_kept_by_the_plan():
     prog = transform(model, 2, (x,), fixed_layouts=[("emb.weight", None, 1)])
     assert prog.plan.params["emb.weight"].dim is None
     assert {u.kind for u in prog.plan.units_of("emb.weight")} == {"gather"}, prog.report()
+
+
+def _global_rel(a: dict, b: dict) -> float:
+    """Relative distance of two sets of gradients, all parameters taken as one vector."""
+    diff = sum(float((a[n].double() - b[n].double()).pow(2).sum()) for n in b)
+    return (diff / sum(float(b[n].double().pow(2).sum()) for n in b)) ** 0.5
+
+
+@pytest.mark.timeout(300)
+def test_mixed_precision_through_the_backend_is_fsdp2s(seed):
+    """A model sharded with FSDP2's bfloat16 policy (`rtp_compile.shard(model,
+    mp_policy=...)`: every weight read in bfloat16, so dynamo traces the model computing in it,
+    as under FSDP2) and compiled by the backend with the same policy computes FSDP2's loss and
+    gradients to bfloat16 rounding: within twice FSDP2-bf16's own distance from float32. The
+    same policy on a model not sharded with it is refused, saying to shard it first (its graph
+    holds the float32 dtypes its code derived)."""
+    results = rtp_compile.launch(mixed_precision, 2, args=(["tinygpt", "gpt2", "llama"], seed),
+                                 timeout=240)
+    for rank, per_model in enumerate(results):
+        for name, r in per_model.items():
+            (fp32_loss, fp32), (fsdp_loss, fsdp), (rtp_loss, rtp) = r["fp32"], r["fsdp2"], r["rtp"]
+            gap = _global_rel(fsdp, fp32)
+            assert _global_rel(rtp, fsdp) <= max(2 * gap, 1e-3), (rank, name, gap)
+            assert abs(rtp_loss - fsdp_loss) <= max(2 * abs(fsdp_loss - fp32_loss),
+                                                    1e-3 * abs(fsdp_loss)), (rank, name)
+            assert "shard it first with the backend's policy" in r["refused"], r["refused"]
