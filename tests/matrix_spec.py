@@ -51,7 +51,7 @@ FAMILIES = [
     Family("torch_encoder", "nn.TransformerEncoder", "export", "hf", "torch_encoder"),
 ]
 
-_COMPILES = "compiles every model again per world size (the cost of this row, see the timings)"
+_COMPILES = "compiles every model again per world size (the row's seconds are below the table)"
 FEATURES = [
     Feature("plain", "training vs DDP", (2, 3)),
     Feature("full_state_dict", "full_state_dict round trip", (2, 3)),
@@ -135,6 +135,16 @@ def _show(value) -> str:
     return f"{value:.2e}" if isinstance(value, float) else str(value)
 
 
+def show(value) -> str:
+    """A check's value as the README table shows it."""
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def unmet(checks: list) -> list:
+    """The checks ([what, value, op, bound]) that do not hold."""
+    return [c for c in checks if not _passes(*c[1:])]
+
+
 def failed_checks(result: dict) -> list[str]:
     """What one rank's cell result failed: its error, or each check not met."""
     if result["error"]:
@@ -142,7 +152,7 @@ def failed_checks(result: dict) -> list[str]:
     if not result["checks"]:
         return ["the cell checked nothing"]
     return [f"{what}: {_show(value)}, want {op} {_show(bound)}"
-            for what, value, op, bound in result["checks"] if not _passes(value, op, bound)]
+            for what, value, op, bound in unmet(result["checks"])]
 
 
 def verdict(per_rank: list[dict]) -> dict:

@@ -13,7 +13,6 @@ import json
 import os
 import pathlib
 import random
-import re
 import time
 
 import pytest
@@ -22,8 +21,8 @@ pytest.importorskip("transformers")
 
 import rtp_compile  # noqa: E402
 from matrix_cells import run_cells  # noqa: E402
-from matrix_spec import (FAMILIES, FAMILY, FEATURE, MESH, NOT_APPLICABLE, PATHS_NOT_APPLICABLE,  # noqa: E402
-                         cells, row_title, rows, size_label, verdict)
+from matrix_spec import (FAMILIES, FAMILY, FEATURE, MESH, NOT_APPLICABLE, cells,  # noqa: E402
+                         size_label, verdict)
 
 SIZES = (2, 3, MESH)
 LAUNCH_TIMEOUT = 1400  # seconds: also the job's collective timeout
@@ -114,26 +113,3 @@ def test_cell(matrix, size, feature, family):
         f"N = {size_label(size)}, rank {result['rank']}: {result['reason']}\n"
         f"{result.get('trace', '')}")
 
-
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-
-
-def test_readme_table_lists_the_matrix():
-    """README's table (between the matrix markers) has exactly the matrix's rows and columns,
-    in order, and says n/a in every cell that does not apply: a new feature or family cannot
-    be left out of it. Reads the file only; runs nothing."""
-    section = re.search(r"<!-- matrix:start -->(.*?)<!-- matrix:end -->", README.read_text(),
-                        re.S)
-    assert section, "README.md has no <!-- matrix:start --> ... <!-- matrix:end --> section"
-    table = [line for line in section.group(1).splitlines() if line.startswith("|")]
-    split = [[c.strip() for c in line.strip("|").split("|")] for line in table]
-    header, body = split[0], split[2:]
-    assert header[1:] == [f.header for f in FAMILIES]
-    assert [r[0] for r in body] == [row_title(f, s) for f, s in rows()]
-    for (feature, size), line in zip(rows(), body):
-        for family, text in zip(FAMILIES, line[1:]):
-            assert text.startswith("n/a") == ((feature.id, family.id) in NOT_APPLICABLE), \
-                (feature.id, size, family.id, text)
-            assert text.startswith(("✓", "✗", "n/a")), (feature.id, size, family.id, text)
-    for path in PATHS_NOT_APPLICABLE:
-        assert path in section.group(1)
