@@ -532,8 +532,9 @@ def _first_line(err: BaseException) -> str:
 def run_cells(rank: int, world_size: int, cells: list, seed: int, workdir: str) -> dict:
     """Every (feature, family) of `cells` at this world size (MESH: the 2 x 2 mesh), in an
     order that keeps them apart: the memory cells first (nothing else alive yet), then per
-    family the cells of its shared program, then the ones that make their own (the compiled
-    ones with nothing else alive: the backend counts every parameter in the process).
+    family the cells of its shared program (dropped before the next), then the ones that make
+    their own program. (A finished cell's model can outlive it for a moment: the memory and
+    backend cells count only what was not alive before they built theirs.)
     Returns (feature, family) -> {"checks", "error", "seconds"}; ("setup", family): the
     shared program's."""
     size = MESH if world_size == MESH else world_size
