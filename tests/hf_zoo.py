@@ -56,6 +56,29 @@ def _mixtral():
                                             experts_implementation="batched_mm"))
 
 
+def _opt():
+    from transformers import OPTConfig, OPTForCausalLM
+    return OPTForCausalLM(OPTConfig(hidden_size=16, ffn_dim=22, num_hidden_layers=2,
+                                    num_attention_heads=4, vocab_size=53,
+                                    max_position_embeddings=32, word_embed_proj_dim=16,
+                                    dropout=0.0, attention_dropout=0.0))
+
+
+def _neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    return GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=16, intermediate_size=22,
+                                            num_hidden_layers=2, num_attention_heads=4,
+                                            vocab_size=53, max_position_embeddings=32,
+                                            hidden_dropout=0.0, attention_dropout=0.0))
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=16, intermediate_size=22, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        vocab_size=53, max_position_embeddings=32))
+
+
 class TorchEncoder(nn.Module):
     """nn.TransformerEncoder: fused nn.MultiheadAttention with a packed in_proj_weight."""
 
@@ -83,6 +106,9 @@ HF_ZOO = {
     "vit": (_vit, lambda g: {"pixel_values": torch.randn(2, 3, 8, 8, generator=g)},
             torch.float64, True),
     "mixtral": (_mixtral, lambda g: {"input_ids": _tokens(g)}, torch.float64, False),
+    "opt": (_opt, lambda g: {"input_ids": _tokens(g)}, torch.float64, False),
+    "neox": (_neox, lambda g: {"input_ids": _tokens(g)}, torch.float64, False),
+    "qwen2": (_qwen2, lambda g: {"input_ids": _tokens(g)}, torch.float64, False),
     "torch_encoder": (TorchEncoder, lambda g: {"x": torch.randn(2, 5, 10, generator=g)},
                       torch.float64, True),
 }
