@@ -27,7 +27,7 @@ START, END = "<!-- matrix:start -->", "<!-- matrix:end -->"
 
 def run_matrix(path: pathlib.Path) -> None:
     """tests/test_matrix.py's cells, their results written to `path`."""
-    env = {**os.environ, "RTP_MATRIX_JSON": str(path),
+    env = {**os.environ, "RTP_MATRIX": "1", "RTP_MATRIX_JSON": str(path),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
                                                        os.environ.get("PYTHONPATH")]))}
     subprocess.run([sys.executable, "-m", "pytest", "-q", str(ROOT / "tests/test_matrix.py"),

@@ -155,7 +155,8 @@ def train_compiled_next_to_ddp(model, call, logits, tokens, rank, seed, contract
                                  torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05))
         opt.zero_grad()
         with torch.no_grad():  # a state to load that differs from the model's
-            target = {k: v + 0.5 for k, v in ddp.module.state_dict().items()}
+            target = {k: v + 0.5 if v.is_floating_point() else v
+                      for k, v in ddp.module.state_dict().items()}
         rtp_compile.load_full_state_dict(model, target)
         loaded = rtp_compile.full_state_dict(model)
         errors["load"] = max((loaded[k] - v).abs().max().item() for k, v in target.items())

@@ -240,7 +240,8 @@ def test_a_policy_that_is_not_fsdp2s_is_refused():
         rtp_compile.transform(MLP(), 1, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5", "torch_encoder"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "opt", "neox", "qwen2", "t5",
+                                  "torch_encoder"])
 def test_an_exported_model_is_captured_computing_in_param_dtype(name):
     """torch.export bakes the dtypes a model's code derives from its parameters into the graph
     (a norm's cast back to its input's dtype, a mask's `finfo(dtype).min`) and asserts the
