@@ -7,7 +7,8 @@ each unit's autograd node, and never let a unit's ring hops (prefetch, buckets) 
 border. A rank node belongs to the region of its label, or of its unit's autograd node. A
 region's span runs from its first node to its last; nodes in between that belong to no region
 go with it (parameter reads are hoisted in front and passed in), so everything its nodes need
-from before becomes an input and everything used after it an output.
+from before becomes an input and everything used after it an output; a buffer is read by the
+region itself (BatchNorm updates its statistics in place, which checkpoint refuses of an input).
 """
 from __future__ import annotations
 
@@ -53,10 +54,16 @@ def _outline(gm: fx.GraphModule, span: list[fx.Node], regions, region: int) -> N
             span[0].prepend(node)
             inside.remove(node)
     span = [n for n in span if n in inside]
-    inputs = list(dict.fromkeys(a for n in span for a in n.all_input_nodes if a not in inside))
+    # a buffer the region updates in place (BatchNorm's statistics) is read by the body itself:
+    # passed in, checkpoint's saved-tensor version check would refuse the update
+    buffers = {name for name, _ in gm.named_buffers()}
+    needed = dict.fromkeys(a for n in span for a in n.all_input_nodes if a not in inside)
+    read = [a for a in needed if a.op == "get_attr" and a.target in buffers]
+    inputs = [a for a in needed if a not in read]
     outputs = [n for n in span if any(u not in inside for u in n.users)]
     body = fx.Graph()
     env = {a: body.placeholder(a.name) for a in inputs}
+    env.update({a: body.get_attr(a.target) for a in read})
     for node in span:
         env[node] = body.node_copy(node, lambda a: env[a])
     body.output(tuple(env[n] for n in outputs))

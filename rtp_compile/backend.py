@@ -218,12 +218,18 @@ class BoundRankProgram:
 def _bound(module: nn.Module, tensors: dict[str, torch.Tensor]):
     """`module`'s parameters and buffers named in `tensors` replaced by those for the block."""
     tables = []
+    graphs = [m for m in module.modules() if isinstance(m, fx.GraphModule)]
     for name, tensor in tensors.items():
         owner_name, _, leaf = name.rpartition(".")
-        owner = module.get_submodule(owner_name)
-        table = owner._parameters if leaf in owner._parameters else owner._buffers
-        tables.append((table, leaf, table[leaf]))
-        table[leaf] = tensor
+        for graph in graphs:  # the module's, and the bodies that read it (a checkpoint's)
+            try:
+                owner = graph.get_submodule(owner_name)
+            except AttributeError:
+                continue
+            table = owner._parameters if leaf in owner._parameters else owner._buffers
+            if leaf in table:
+                tables.append((table, leaf, table[leaf]))
+                table[leaf] = tensor
     try:
         yield
     finally:

@@ -72,3 +72,21 @@ def test_a_reentrant_checkpoint_is_refused_with_what_to_do(capture):
     example = (torch.randn(2, 4),) if capture == "export" else None
     with pytest.raises(rtp_compile.CaptureError, match="pass use_reentrant=False"):
         rtp_compile.transform(Reentrant(), 2, example_inputs=example)
+
+
+def _user_checkpointed_convnet(rank: int, world_size: int, seed: int) -> list:
+    from matrix_cells import cell_ac_user
+    from matrix_spec import FAMILY
+    return cell_ac_user(FAMILY["convnet-fx"], rank, world_size, seed)
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpointed_batchnorm_updates_its_statistics_like_ddp(seed):
+    """User code checkpointing each layer of a ConvNet (BatchNorm inside a region): the region
+    reads the statistics it updates in place itself, rather than taking them as checkpoint
+    inputs (whose saved-tensor version check refused the update on recomputation); outputs,
+    gradients and an AdamW step equal DDP's. The feature matrix's cell (tests/matrix_cells.py)."""
+    from matrix_spec import unmet
+    for rank, checks in enumerate(rtp_compile.launch(_user_checkpointed_convnet, 2,
+                                                     args=(seed,), timeout=240)):
+        assert checks and not unmet(checks), (rank, checks)
