@@ -22,7 +22,6 @@ from rtp_compile.compiler import transform
 
 TOL = 1e-9
 F32 = 1e-5  # float32 through inductor, first step (measured: up to 8e-7)
-F32_AFTER_ADAMW = 1e-4  # the loss of a step after an AdamW step (measured: up to 5e-6)
 # AdamW moves an element by about lr whatever its gradient: where a gradient is about eps,
 # float32 rounding changes its update (measured: parameters up to 8e-4 off, relative to their
 # largest element); a step not taken or taken twice is off by lr / max |W|, above 0.2 for the
@@ -86,7 +85,9 @@ def test_default_backend_compiles_one_frame_per_rank_program(seed):
     for rank, r in enumerate(results):
         assert r["programs"] >= 1 and r["rank_frames"] == r["programs"], \
             f"rank {rank}: {r['rank_frames']} frames compiled for {r['programs']} rank programs"
-        for what, tol in (("output", F32), ("grad", F32), ("loss", F32_AFTER_ADAMW),
+        # the losses after the first step follow from parameters AdamW moved (see
+        # F32_PARAMS_AFTER_ADAMW): measured up to 2.1e-4 (the full suite of 2026-12-05)
+        for what, tol in (("output", F32), ("grad", F32), ("loss", F32_PARAMS_AFTER_ADAMW),
                           ("param", F32_PARAMS_AFTER_ADAMW)):
             assert r[what] <= tol, f"rank {rank}: {what} rel. error {r[what]:.2e}"
         assert r["graphs"] == [r["programs"]] * 2, f"rank {rank}: recompiled {r['graphs']}"
