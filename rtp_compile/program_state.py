@@ -21,7 +21,7 @@ from rtp_compile.full_checkpoint import checkpoint_keys
 from rtp_compile.layout import ParamLayout
 from rtp_compile.model_state import (open_model_checkpoint, skeleton, state_dict_sources,
                                      to_model_state_dict)
-from rtp_compile.runtime import ring
+from rtp_compile.shard_registry import gather_full
 
 
 class ProgramState:
@@ -65,12 +65,7 @@ class ProgramState:
         name = self.alias_of(key)
         if name is None:
             return gm.get_buffer(key).detach().clone()
-        shard = gm.get_parameter(name).detach().contiguous()
-        if self.world_size == 1:
-            return self.layouts[name].unshard([shard.clone()])
-        out = [torch.empty_like(shard) for _ in range(self.world_size)]
-        ring.all_gather(out, shard, job_of(gm).group_name)
-        return self.layouts[name].unshard(out)
+        return gather_full(gm.get_parameter(name), self.layouts[name], job_of(gm).group_name)
 
     def load_full_state_dict(self, gm: nn.Module, state_dict) -> None:
         """Take a full state_dict (a mapping, or a path: `RTPProgram.load_full_state_dict`) into

@@ -23,6 +23,17 @@ from rtp_compile.layout import ParamLayout, real_part
 from rtp_compile.runtime import ring
 
 
+def gather_full(shard: torch.Tensor, layout: ParamLayout, group_name: str) -> torch.Tensor:
+    """Collective over the ring of `group_name`: the full tensor of which `shard` is this
+    rank's part as `layout` cuts it, padding removed."""
+    shard = shard.detach().contiguous()
+    if layout.world_size == 1:
+        return layout.unshard([shard.clone()])
+    shards = [torch.empty_like(shard) for _ in range(layout.world_size)]
+    ring.all_gather(shards, shard, group_name)
+    return layout.unshard(shards)
+
+
 @dataclass
 class Sharded:
     """A parameter laid out for the ring: this rank's `shard` (the Parameter an optimizer
@@ -42,12 +53,7 @@ class Sharded:
 
     def gather(self) -> torch.Tensor:
         """Collective over the ring: the full tensor, padding removed."""
-        shard = self.shard.detach().contiguous()
-        if self.layout.world_size == 1:
-            return self.layout.unshard([shard.clone()])
-        shards = [torch.empty_like(shard) for _ in range(self.layout.world_size)]
-        ring.all_gather(shards, shard, self.group_name)
-        return self.layout.unshard(shards)
+        return gather_full(self.shard, self.layout, self.group_name)
 
     def real_grad(self) -> torch.Tensor | None:
         """The gradient of the real (unpadded) part of this rank's shard, or None."""
