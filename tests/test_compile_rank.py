@@ -9,7 +9,7 @@ from compile_jobs import aot_eager_models, inductor_gpt, many_modules
 
 F64 = 1e-9
 F32 = 1e-5  # a few ulp of the largest element (measured: up to 4e-7)
-F32_AFTER_ADAMW = 1e-4  # AdamW's first update amplifies rounding (measured: up to 2e-5)
+F32_AFTER_ADAMW = 1e-3  # AdamW's first update amplifies rounding (measured: outputs up to 7.8e-5 in CI)
 
 
 @pytest.mark.timeout(400)
@@ -23,7 +23,7 @@ def test_rank_module_compiles_whole_with_aot_eager(seed):
         for name, r in per_model.items():
             assert r["frames"] == 1, f"rank {rank} {name}: {r['frames']} frames compiled"
             assert r["received"]["in forward"] and not r["received"]["saved"], (rank, name, r)
-            for what in ("output", "grad", "grad after a step", "param"):
+            for what in ("output", "grad", "output after a step", "grad after a step", "param"):
                 assert r[what] <= F64, f"rank {rank} {name}: {what} rel. error {r[what]:.2e}"
 
 
@@ -31,7 +31,8 @@ def test_rank_module_compiles_whole_with_aot_eager(seed):
 def test_rank_module_compiles_whole_with_inductor(seed):
     for rank, r in enumerate(rtp_compile.launch(inductor_gpt, 2, args=(seed,), timeout=380)):
         assert r["frames"] == 1, f"rank {rank}: {r['frames']} frames compiled"
-        for what, tol in (("output", F32), ("grad", F32), ("grad after a step", F32_AFTER_ADAMW)):
+        for what, tol in (("output", F32), ("grad", F32), ("output after a step", F32_AFTER_ADAMW),
+                          ("grad after a step", F32_AFTER_ADAMW)):
             assert r[what] <= tol, f"rank {rank}: {what} rel. error {r[what]:.2e}"
 
 
