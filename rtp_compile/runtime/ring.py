@@ -436,8 +436,8 @@ class JobCheck(Keyed):
         return f"{ring}; replica {self.replica} of {self.replicas}, group " \
                f"{self.replica_group_name!r}"
 
-    def forward(self) -> None:
-        check_job(self.rtp_key)
+    def forward(self) -> torch.Tensor:
+        return check_job(self.rtp_key)
 
     def check(self) -> None:
         finish_leftover_hops()  # of a step before that raised after starting a hop
@@ -503,14 +503,18 @@ class BufferBroadcast(Keyed):
 
 
 @graph_op("check_job")
-def check_job(key: str) -> None:
-    """Graph op, first in every rank's module: its `JobCheck` (registered under `key`)."""
+def check_job(key: str) -> torch.Tensor:
+    """Graph op, first in every rank's module: its `JobCheck` (registered under `key`). It
+    returns an empty ticket because inductor (2.13, layout optimisation: a conv's weight
+    converted to channels-last) frees graph inputs before a kernel it moves past an effectful
+    op that neither takes nor returns a tensor (UnboundLocalError in the generated code)."""
     lookup(key).check()
+    return torch.empty(0)
 
 
 @check_job.op.register_fake
 def _(key):
-    return None
+    return torch.empty(0)
 
 
 @graph_op("broadcast_buffers", mutates_args=("buffers",))
