@@ -44,6 +44,17 @@ class Keyed(nn.Module):
         self.register(self.rtp_key.rpartition("#")[0])
 
 
+def laid_out_like(tensors: list[torch.Tensor], refs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each of `tensors` with the strides `torch.empty_like` gives its ref, which is what a
+    backward op's fake returns (inductor checks a custom op's outputs against its fake's):
+    copied where they differ (the gradient of a permuted input, say)."""
+    out = []
+    for t, ref in zip(tensors, refs, strict=True):
+        like = torch.empty_like(ref, dtype=t.dtype)
+        out.append(t if t.stride() == like.stride() else like.copy_(t))
+    return out
+
+
 def distinct(tensors: list[torch.Tensor], inputs=()) -> list[torch.Tensor]:
     """`tensors`, as a custom op may return them: each that shares memory with an input or with
     a larger one of them copied (views of one ring message would), the larger kept as it is."""

@@ -28,7 +28,7 @@ from rtp_compile.runtime import ring, transaction
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
 from rtp_compile.runtime.precision import Precision
 from rtp_compile.runtime.registry import (Keyed, autograd_in_op, decode, distinct, encode,
-                                          graph_op, lookup)
+                                          graph_op, laid_out_like, lookup)
 
 
 class GradientRing:
@@ -134,7 +134,7 @@ class UnitRuntime(Keyed):
         bucket = None if ticket is None else self.bucket.state(ticket)
         dx, grads = self.backward(dy, x, own, saved, need_dx, need_dw, bucket)
         out = [] if ticket is None else [torch.zeros_like(ticket)]
-        return distinct(out + ([dx] if need_dx else []) + (grads or []), values[:1 + 1 + n_own])
+        return distinct(out + ([dx] if need_dx else []) + (grads or []), [dy, *values])
 
     def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
         """This step's part of dx (added into `dx`, None when not needed). `scratch` is a dict
@@ -394,7 +394,7 @@ class GatheredOpRuntime(Keyed):
                        for g, p in zip(grads[len(input_grads):], full)]
         shard_grads = self.reduce_scatter(param_grads)
         return distinct(input_grads + [g for g, need in zip(shard_grads, needs[n_inputs:])
-                                       if need], values)
+                                       if need], [*douts, *values])  # an add's dx is its dout
 
     def gather(self, own):
         return ring_all_gather(self.precision.to_compute(own), self.layouts, self.rank,
@@ -505,17 +505,25 @@ def unit_backward(key: str, dy: torch.Tensor, tensors: list[torch.Tensor], ints:
                   need_dw: bool) -> list[torch.Tensor]:
     """Graph op: the backward of the unit registered under `key`, on what its forward saved
     (`registry.encode`d): the ticket's gradient (in a bucket), dx, the own shards' gradients."""
+    values = decode(tensors, ints, floats, kinds)
     with autograd_in_op():  # a fused block's backward differentiates its region
-        return lookup(key).backward_op(dy, decode(tensors, ints, floats, kinds), need_dx,
-                                       need_dw)
+        grads = lookup(key).backward_op(dy, values, need_dx, need_dw)
+    return laid_out_like(grads, _unit_grad_refs(key, values, need_dx, need_dw))
+
+
+def _unit_grad_refs(key, values, need_dx, need_dw) -> list[torch.Tensor]:
+    """What `unit_backward` returns the gradients of: the ticket (in a bucket), x if
+    `need_dx`, the own shards if `need_dw` (outside a bucket)."""
+    ticket, x, *rest = values
+    own = rest[:len(lookup(key).roles)]
+    return ([] if ticket is None else [ticket]) + ([x] if need_dx else []) + \
+        (own if need_dw and ticket is None else [])
 
 
 @unit_backward.op.register_fake
 def _(key, dy, tensors, ints, floats, kinds, need_dx, need_dw):
-    ticket, x, *rest = decode(tensors, ints, floats, kinds)
-    own = rest[:len(lookup(key).roles)]
-    return [torch.empty_like(t) for t in ([] if ticket is None else [ticket])
-            + ([x] if need_dx else []) + (own if need_dw and ticket is None else [])]
+    return [torch.empty_like(t) for t in _unit_grad_refs(key, decode(tensors, ints, floats, kinds),
+                                                          need_dx, need_dw)]
 
 
 @graph_op("gathered_forward")
@@ -537,8 +545,10 @@ def gathered_backward(key: str, douts: list[torch.Tensor], tensors: list[torch.T
                       needs: list[bool]) -> list[torch.Tensor]:
     """Graph op: the backward of the gathered op registered under `key`: the gradients of
     those of its inputs and own shards that `needs` says."""
+    values = decode(tensors, ints, floats, kinds)
     with autograd_in_op():  # it differentiates the op
-        return lookup(key).backward_op(douts, decode(tensors, ints, floats, kinds), needs)
+        grads = lookup(key).backward_op(douts, values, needs)
+    return laid_out_like(grads, [v for v, need in zip(values, needs) if need])
 
 
 @gathered_backward.op.register_fake
