@@ -67,8 +67,8 @@ def compiled_next_to_eager(rank: int, model, make_batch, backend, steps: int, se
     """`steps` of forward, backward and AdamW on rank `rank`'s module and on another copy of
     it compiled whole; the largest relative errors of the compiled one's outputs, gradients
     (of the first step, and of the later ones: after an AdamW step, whose first update
-    amplifies rounding, so later outputs and gradients are apart by more) and (after the steps) parameters and buffers; the frames dynamo compiled (one: no break,
-    no recompile); how many buckets, gathered ops and activation checkpoints the module has."""
+    amplifies rounding, so later outputs and gradients are apart by more) and (after the steps)
+    parameters and buffers; the frames dynamo compiled (one: no break, no recompile); how many buckets, gathered ops and activation checkpoints the module has."""
     prog = rtp_compile.transform(model, 2, **options)
     eager, plain = prog.module(rank), prog.module(rank)
     received = {"in forward": 0, "saved": []}

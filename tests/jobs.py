@@ -24,6 +24,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 
 
 LR = 1e-2
+F32_AFTER_ADAMW = 1e-3  # float32 after AdamW steps, whose update amplifies rounding
 
 
 def param_errors(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],

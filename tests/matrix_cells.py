@@ -23,14 +23,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rtp_compile
 from hf_zoo import build_hf, hf_batch, logits_of
-from jobs import (LR, gathered_grads, grad_errors, loss_of, param_errors, parameter_keys,
-                  rel_err, train_next_to_ddp)
+from jobs import (F32_AFTER_ADAMW, LR, gathered_grads, grad_errors, loss_of, param_errors,
+                  parameter_keys, rel_err, train_next_to_ddp)
 from matrix_spec import FAMILIES, MESH
 from zoo import batch as zoo_batch
 from zoo import build as zoo_build
 
 F64, F32 = 1e-9, 1e-5
-F32_AFTER_ADAMW = 1e-3  # as tests/test_compile_rank.py: AdamW's update amplifies rounding
 _ARGUMENT = {"gpt": "idx", "conv": "x"}  # the zoo models' forward argument
 
 
