@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from rtp_compile.bench_memory import CONFIG, _wrap
-from rtp_compile.models import lm_loss
+from rtp_compile.apps.bench_memory import CONFIG, _wrap
+from rtp_compile.apps.models import lm_loss
 from rtp_compile.runtime.launch import launch
-from rtp_compile.tables import format_table
+from rtp_compile.core.tables import format_table
 
 KINDS = ("fsdp2", "rtp")
 
@@ -39,7 +39,7 @@ def _save_peak(rank: int, world_size: int, kind: str, path: str, vocab: int) -> 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from rtp_compile import checkpoint
+    from rtp_compile.state import dcp as checkpoint
     config = dataclasses.replace(CONFIG, vocab_size=vocab)
     model = _wrap(kind, rank, world_size, config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

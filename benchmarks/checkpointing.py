@@ -3,7 +3,7 @@
 TinyGPT's blocks each run under `torch.utils.checkpoint.checkpoint(block, x,
 use_reentrant=False)` (or plainly), on the same per-rank batch, N = 2 and 4 local gloo
 processes; rank 0's step is measured with MemTracker after a warm-up step
-(`rtp_compile.bench_memory.tracked_step`). RTP keeps each checkpoint as a recomputed region of
+(`rtp_compile.apps.bench_memory.tracked_step`). RTP keeps each checkpoint as a recomputed region of
 the rank's program, so its peak falls as DDP's does.
 
     python benchmarks/checkpointing.py
@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from rtp_compile import launch, transform
-from rtp_compile.bench_memory import tracked_step
-from rtp_compile.models import GPTConfig, TinyGPT
-from rtp_compile.tables import format_table
+from rtp_compile.apps.bench_memory import tracked_step
+from rtp_compile.apps.models import GPTConfig, TinyGPT
+from rtp_compile.core.tables import format_table
 
 CONFIG = GPTConfig(vocab_size=1024, block_size=128, n_layer=4, n_head=4, n_embd=128)
 BATCH = 8

@@ -1,7 +1,7 @@
 """A rank's module eager against the same module compiled whole by inductor: step time per rank.
 
 `torch.compile(prog.module(rank), fullgraph=True)` (the default backend) on the speed benchmark's
-model (`rtp_compile.bench_speed`, preset gpt-small by default): one job of N local processes,
+model (`rtp_compile.apps.bench_speed`, preset gpt-small by default): one job of N local processes,
 both modules built from the same program (the same shards), each with its own AdamW. After a
 warm-up step each (the compiled one compiles then), `rounds` interleaved rounds of `steps`
 timed steps, the order alternating each round; a step is forward, `lm_loss` backward and
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 import rtp_compile
-from rtp_compile.bench_speed import PRESETS
-from rtp_compile.models import TinyGPT, lm_loss
-from rtp_compile.tables import format_table
+from rtp_compile.apps.bench_speed import PRESETS
+from rtp_compile.apps.models import TinyGPT, lm_loss
+from rtp_compile.core.tables import format_table
 
 KINDS = ("eager", "compiled")
 

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import rtp_compile
-from rtp_compile.models import GPTConfig, TinyGPT, lm_loss
+from rtp_compile.apps.models import GPTConfig, TinyGPT, lm_loss
 from rtp_compile.runtime import ring
-from rtp_compile.tables import format_table
+from rtp_compile.core.tables import format_table
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 BATCH = 8

@@ -87,14 +87,14 @@ def _efficiency_at(h: int, ranks, tokens: int) -> list[tuple]:
 
 
 def gpt(layers: int, width: int, heads: int, vocab: int, block: int):
-    from rtp_compile.models import GPTConfig, TinyGPT
+    from rtp_compile.apps.models import GPTConfig, TinyGPT
     return TinyGPT(GPTConfig(vocab_size=vocab, block_size=block, n_layer=layers, n_head=heads,
                              n_embd=width))
 
 
 def train_step_ms(module, idx, steps: int = 6) -> tuple[float, float]:
     """Median ms of a training step and the peak bytes allocated across them."""
-    from rtp_compile.models import lm_loss
+    from rtp_compile.apps.models import lm_loss
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
 
     def step():
@@ -150,7 +150,7 @@ def nccl_job(rank, world_size, cfg):
     import copy
 
     import rtp_compile
-    from rtp_compile.models import lm_loss
+    from rtp_compile.apps.models import lm_loss
     torch.manual_seed(0)
     model = gpt(**cfg)
     prog = rtp_compile.transform(model, world_size)

@@ -21,9 +21,9 @@ from torch.distributed._tools.mem_tracker import _ModState
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import rtp_compile
-from rtp_compile.bench_memory import tracked_step
-from rtp_compile.models import GPTConfig, TinyGPT
-from rtp_compile.tables import format_table
+from rtp_compile.apps.bench_memory import tracked_step
+from rtp_compile.apps.models import GPTConfig, TinyGPT
+from rtp_compile.core.tables import format_table
 
 
 def measure(model: torch.nn.Module, cfg: GPTConfig, batch: int) -> dict:

@@ -14,7 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rtp_compile
-from rtp_compile.models import GPTConfig, TinyGPT, lm_loss
+from rtp_compile.apps.models import GPTConfig, TinyGPT, lm_loss
 
 BATCH_SIZE = 16  # sequences per rank per step
 MULTIPLIER, INCREMENT = 5, 3  # next token = (prev * 5 + 3) % vocab: a permutation of the vocab

@@ -9,8 +9,8 @@ import pathlib
 import torch
 
 import rtp_compile
-from rtp_compile.models import GPTConfig, TinyGPT
-from rtp_compile.traces import lm_step
+from rtp_compile.apps.models import GPTConfig, TinyGPT
+from rtp_compile.apps.models import lm_step
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = GPTConfig(vocab_size=1024, block_size=64, n_layer=4, n_head=4, n_embd=256)

@@ -1,6 +1,6 @@
-"""`python -m rtp_compile ...`: the command line of rtp_compile.cli."""
+"""`python -m rtp_compile ...`: the command line of rtp_compile.apps.cli."""
 import sys
 
-from rtp_compile.cli import main
+from rtp_compile.apps.cli import main
 
 sys.exit(main())

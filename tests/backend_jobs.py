@@ -12,14 +12,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rtp_compile
-from rtp_compile import shard_registry
+from rtp_compile.state import shard_registry
 from jobs import LR, loss_of, rel_err
 
 STEPS = 3
 
 
 def tiny_gpt():
-    from rtp_compile.models import GPTConfig, TinyGPT
+    from rtp_compile.apps.models import GPTConfig, TinyGPT
     return TinyGPT(GPTConfig(vocab_size=29, block_size=16, n_layer=2, n_head=2, n_embd=12))
 
 
@@ -94,7 +94,7 @@ def held_state_fraction(model: nn.Module, optimizer: torch.optim.Optimizer) -> f
 def bound_bytes() -> int:
     """Bytes the rank modules of the programs alive hold in the parameters and buffers every
     call binds, beyond a one-element placeholder each (a copy of a buffer, a shard)."""
-    from rtp_compile.backend import BoundRankProgram
+    from rtp_compile.compile_backend.backend import BoundRankProgram
     held = 0
     for obj in gc.get_objects():
         if isinstance(obj, BoundRankProgram):

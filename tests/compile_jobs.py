@@ -11,7 +11,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import rtp_compile
 from jobs import loss_of, rel_err
-from rtp_compile.models import GPTConfig, TinyGPT
+from rtp_compile.apps.models import GPTConfig, TinyGPT
 from rtp_compile.runtime.bucket import BucketRuntime
 from rtp_compile.runtime.recompute import CheckpointedRegion
 from rtp_compile.runtime.units import GatheredOpRuntime

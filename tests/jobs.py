@@ -235,7 +235,7 @@ def summed_output_peak(rank: int, world_size: int, seed: int) -> dict:
     """Logits-sized tensors alive at once in the forward of a GPT whose head is tied to its
     embedding (a row split: every step's part is the size of the whole logits), and the
     logits' error against the unsharded model."""
-    from rtp_compile.models import GPTConfig, TinyGPT
+    from rtp_compile.apps.models import GPTConfig, TinyGPT
     torch.manual_seed(seed)
     model = TinyGPT(GPTConfig(vocab_size=211, block_size=8, n_layer=1, n_head=2,
                               n_embd=16)).double()
@@ -498,8 +498,8 @@ def tensor_parallel_matches(rank: int, world_size: int, seed: int) -> float:
     largest relative error of the logits."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rtp_compile.bench_speed import PRESETS, head_parallel
-    from rtp_compile.models import TinyGPT
+    from rtp_compile.apps.bench_speed import PRESETS, head_parallel
+    from rtp_compile.apps.models import TinyGPT
     config = PRESETS["tiny"][0]
     torch.manual_seed(seed)
     model = TinyGPT(config)

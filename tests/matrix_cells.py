@@ -165,7 +165,7 @@ def cell_checkpoint(s: Shared) -> list:
     are the first rank's, as with DDP) exactly, and `extra` is this rank's (rank 0's for a
     rank that did not save)."""
     from checkpoint_jobs import full_state_and_moments
-    from rtp_compile import checkpoint
+    from rtp_compile.state import dcp as checkpoint
     path = os.path.join(s.workdir, "checkpoint", s.family.id)
     if s.world_size == 2:
         opt = torch.optim.AdamW(s.gm.parameters(), lr=LR, weight_decay=0.1)

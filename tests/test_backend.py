@@ -18,7 +18,7 @@ from torch import nn
 
 import rtp_compile
 from backend_jobs import compiled_parity, default_backend, graph_breaks, mixed_precision
-from rtp_compile.compiler import transform
+from rtp_compile.compiler.transform import transform
 
 TOL = 1e-9
 F32 = 1e-5  # float32 through inductor, first step (measured: up to 8e-7)
@@ -133,7 +133,7 @@ def test_rtp_backend_is_registered_once_and_as_an_entry_point():
     register a duplicate, which dynamo would refuse), and pyproject names it as a
     torch_dynamo_backends entry point that loads the same function."""
     from torch._dynamo.backends.registry import lookup_backend
-    from rtp_compile.backend import rtp_backend
+    from rtp_compile.compile_backend.backend import rtp_backend
     assert lookup_backend("rtp") is rtp_backend
     importlib.reload(sys.modules["rtp_compile"])
     assert "rtp" in torch._dynamo.list_backends()

@@ -7,8 +7,8 @@ import pytest
 
 import rtp_compile
 from jobs import tensor_parallel_matches
-from rtp_compile.bench_speed import KINDS, PRESETS, run
-from rtp_compile.models import TinyGPT
+from rtp_compile.apps.bench_speed import KINDS, PRESETS, run
+from rtp_compile.apps.models import TinyGPT
 
 
 @pytest.mark.timeout(600)

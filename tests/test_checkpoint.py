@@ -8,7 +8,7 @@ import torch
 import rtp_compile
 from checkpoint_jobs import (die_mid_save, load_into_world_size, resharded_steps_match_ddp,
                              save_after_steps, train_with_checkpoints)
-from rtp_compile import checkpoint
+from rtp_compile.state import dcp as checkpoint
 from decoders import build_decoder
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from zoo import MLP, build

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rtp_compile.corpus import ALPHABET
-from rtp_compile.demo import PROMPT, SAMPLE_CHARS, run_demo
+from rtp_compile.apps.corpus import ALPHABET
+from rtp_compile.apps.demo import PROMPT, SAMPLE_CHARS, run_demo
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = ["step", "rtp", "loss", "ddp", "loss", "|diff|"]  # the loss table's header, split
@@ -113,7 +113,7 @@ def test_the_demo_stopped_and_resumed_from_its_checkpoint_trains_as_if_never_sto
 
 @pytest.mark.timeout(300)
 def test_inspect_prints_plan_report_and_rank_code():
-    proc = _cli("inspect", "rtp_compile.models:TinyGPT", "--world-size", "2", "--rank", "1")
+    proc = _cli("inspect", "rtp_compile.apps.models:TinyGPT", "--world-size", "2", "--rank", "1")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "bytes/rank" in out and "blocks.0.attn.qkv.weight" in out  # the plan
@@ -132,6 +132,6 @@ def test_inspect_unknown_module_exits_2_naming_it():
 
 @pytest.mark.timeout(300)
 def test_inspect_factory_not_returning_a_module_exits_2():
-    proc = _cli("inspect", "rtp_compile.models:GPTConfig", "--world-size", "2")
+    proc = _cli("inspect", "rtp_compile.apps.models:GPTConfig", "--world-size", "2")
     assert proc.returncode == 2
     assert "GPTConfig" in proc.stderr and "not a torch.nn.Module" in proc.stderr

@@ -1,11 +1,11 @@
-"""The demo's text and its batches (`rtp_compile.corpus`) and sampling (`models.generate`):
+"""The demo's text and its batches (`rtp_compile.apps.corpus`) and sampling (`models.generate`):
 in-process, no ranks."""
 import pytest
 import torch
 
-from rtp_compile.corpus import (ALPHABET, VOCAB_SIZE, TextBatches, decode, encode, load_text,
+from rtp_compile.apps.corpus import (ALPHABET, VOCAB_SIZE, TextBatches, decode, encode, load_text,
                                 split, windows)
-from rtp_compile.models import GPTConfig, TinyGPT, generate
+from rtp_compile.apps.models import GPTConfig, TinyGPT, generate
 
 
 def test_the_shipped_text_round_trips_through_tokens_of_tinygpts_vocabulary():

@@ -14,7 +14,7 @@ import torch
 
 import rtp_compile
 import rtp_compile.cost
-from rtp_compile.models import GPTConfig, TinyGPT, lm_loss
+from rtp_compile.apps.models import GPTConfig, TinyGPT, lm_loss
 
 CONFIG = GPTConfig(vocab_size=250, block_size=16, n_layer=2, n_head=4, n_embd=100)
 BATCH = 4

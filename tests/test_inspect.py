@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import rtp_compile
-from rtp_compile.cli import main
-from rtp_compile.draw import _palette, layered, schedule_graph
-from rtp_compile.models import GPTConfig, TinyGPT
+from rtp_compile.apps.cli import main
+from rtp_compile.inspect.draw import _palette, layered, schedule_graph
+from rtp_compile.apps.models import GPTConfig, TinyGPT
 from rtp_compile.passes.pipeline import pass_table
-from rtp_compile.traces import STEP, lm_step
+from rtp_compile.apps.models import lm_step
+from rtp_compile.inspect.traces import STEP
 
 pytest.importorskip("matplotlib")
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -126,7 +127,7 @@ def test_pass_log_as_a_table(prog):
 
 def test_inspect_draws_with_draw(tmp_path, capsys):
     out = tmp_path / "tiny.svg"
-    assert main(["inspect", "rtp_compile.models:TinyGPT", "--world-size", "2",
+    assert main(["inspect", "rtp_compile.apps.models:TinyGPT", "--world-size", "2",
                  "--draw", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "rtp cost per rank, N=2" in printed and f"drawn: {out}" in printed
@@ -135,7 +136,7 @@ def test_inspect_draws_with_draw(tmp_path, capsys):
 
 def test_inspect_refuses_a_drawing_format_before_compiling(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["inspect", "rtp_compile.models:TinyGPT", "--world-size", "2",
+        main(["inspect", "rtp_compile.apps.models:TinyGPT", "--world-size", "2",
               "--draw", str(tmp_path / "x.gif")])
     assert exit_.value.code == 2 and ".svg, .png, .pdf" in capsys.readouterr().err
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rtp_compile
-from rtp_compile.models import GPTConfig, TinyGPT
+from rtp_compile.apps.models import GPTConfig, TinyGPT
 
 TOL = 1e-9
 KINDS = ["gpt", "llama"]
@@ -198,7 +198,7 @@ def test_init_is_the_modules_own_seeded_per_module():
     # the module name seeds the stream: two same-shaped layers differ
     assert not torch.equal(a.blocks[0].attn.proj.weight, a.blocks[1].attn.proj.weight)
     # a module's values do not depend on the others: seed of (0, name) alone
-    from rtp_compile.materialize import init_module
+    from rtp_compile.state.materialize import init_module
     alone = init_module(model, "blocks.1.attn.proj", ["weight", "bias"], [], "cpu", 0)
     assert torch.equal(alone["weight"], a.blocks[1].attn.proj.weight)
 

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import rtp_compile
 from hf_zoo import logits_of
-from rtp_compile.models import GPTConfig, TinyGPT, lm_loss
+from rtp_compile.apps.models import GPTConfig, TinyGPT, lm_loss
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # sizes 2 and 3 ranks do not divide (vocabulary 53, width 25, hidden 100 at N = 3)

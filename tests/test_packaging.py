@@ -23,4 +23,4 @@ def test_wheel_ships_every_module_of_the_package(tmp_path):
     assert {"rtp_compile/passes/plan.py", "rtp_compile/runtime/ring.py"} <= names
     assert any(n.endswith("entry_points.txt") for n in names)
     # the demo's text and its source note (package data, read with importlib.resources)
-    assert {"rtp_compile/data/tinyshakespeare.txt", "rtp_compile/data/README.md"} <= names
+    assert {"rtp_compile/apps/data/tinyshakespeare.txt", "rtp_compile/apps/data/README.md"} <= names

@@ -64,4 +64,4 @@ def test_a_rank_module_does_not_keep_the_users_model(name):
     gc.collect()
     assert [r for r in refs if r() is not None] == []
     assert before - _live_tensor_bytes() >= full
-    assert rtp_compile.program_state.state_of(gm).layouts  # what the module still needs
+    assert rtp_compile.state.program_state.state_of(gm).layouts  # what the module still needs

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtp_compile.models import GPTConfig, TinyGPT
+from rtp_compile.apps.models import GPTConfig, TinyGPT
 
 
 class MLP(nn.Module):

@@ -10,7 +10,7 @@ measures `cost.profile`).
 from __future__ import annotations
 
 from rtp_compile.cost.model import Cost, ddp_cost, fsdp_blocks, fsdp_cost
-from rtp_compile.tables import format_table
+from rtp_compile.core.tables import format_table
 
 __all__ = ["Cost", "rtp", "ddp", "fsdp", "table"]
 

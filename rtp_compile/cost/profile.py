@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rtp_compile.passes.retarget_meta import retarget_meta
+from rtp_compile.core.retarget_meta import retarget_meta
 
 
 # -- what the unsharded model does on one batch, on fake tensors --------------------------

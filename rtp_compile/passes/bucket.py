@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from rtp_compile.capture import checkpoint_region
+from rtp_compile.core.ir import checkpoint_region, fused_block, rotated_op
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
-from rtp_compile.passes.rotate import fused_block, rotated_op
 
 
 def bucket_message_bytes(plan, units) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
-from rtp_compile.runtime.graph_ops import cast_floating
+from rtp_compile.core.graph_ops import cast_floating
 
 
 def _input_dtype(ctx):

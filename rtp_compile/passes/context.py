@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from rtp_compile.runtime.launch import check_world_size
+from rtp_compile.core.checks import check_world_size
 from rtp_compile.runtime.precision import Precision
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class Context:
     Capture: `level` ("function": torch.fx, "aten": torch.export), `params` (canonical name ->
     the model's parameter), `aliases` (canonical name -> every name of it, tied weights),
     `native_keys` (its parameters, under every name, and persistent buffers, as its modules
-    name them, in state_dict order: `rtp_compile.model_state`), `model` (what was captured, for meta init),
+    name them, in state_dict order: `rtp_compile.state.model_state`), `model` (what was captured, for meta init),
     `examples` (the example inputs and kwargs it was captured with, or None) and
     `reference` (the captured graph, never rewritten: the cost model profiles it and every
     world size's program starts from it). Passes: `plan` (plan_sharding, fuse_blocks),

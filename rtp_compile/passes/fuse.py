@@ -32,8 +32,8 @@ from rtp_compile.passes.cut_axis import CutWalk, NotExact, Rewrite, is_attention
 from rtp_compile.passes.match import parameter_reads
 from rtp_compile.passes.pipeline import graph_pass
 from rtp_compile.passes.plan import Plan, Unit, check_plan, unique_name
-from rtp_compile.passes.subgraph import extract_graph
-from rtp_compile.runtime.graph_ops import head_slice
+from rtp_compile.core.subgraph import extract_graph
+from rtp_compile.core.graph_ops import head_slice
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ from torch import nn
 
 from rtp_compile.passes.match import canonical_reads
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
-from rtp_compile.runtime.graph_ops import batch_norm_module
+from rtp_compile.core.graph_ops import batch_norm_module
 
 
 def _conv_fn(m):

@@ -17,9 +17,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from rtp_compile.op_rules import RULES, External, OpCall, Step
+from rtp_compile.core.op_rules import RULES, External, OpCall, Step
 from rtp_compile.passes.pipeline import InvariantError
-from rtp_compile.runtime.graph_ops import affine
+from rtp_compile.core.graph_ops import affine
 
 aten = torch.ops.aten
 

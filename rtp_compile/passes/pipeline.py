@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from rtp_compile.tables import format_table
+from rtp_compile.core.tables import format_table
 
 log = logging.getLogger("rtp_compile")
 

@@ -17,12 +17,12 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from rtp_compile.layout import ParamLayout
-from rtp_compile.op_rules import OpCall
+from rtp_compile.core.layout import ParamLayout
+from rtp_compile.core.op_rules import OpCall
 from rtp_compile.passes.match import (chain_input, dtype_inputs, match_op, parameter_reads,
                                       why_not_sharded)
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
-from rtp_compile.tables import format_table
+from rtp_compile.core.tables import format_table
 
 
 @dataclass

@@ -21,36 +21,12 @@ import operator
 import torch
 import torch.fx as fx
 
+from rtp_compile.core.ir import fused_block, gathered_op, gathered_small, rotated_op
 from rtp_compile.passes.fuse import region_body
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
 from rtp_compile.passes.plan import consumer_closure, parameter_only_nodes
-from rtp_compile.passes.subgraph import extract_graph
+from rtp_compile.core.subgraph import extract_graph
 from rtp_compile.passes.match import parameter_reads
-
-
-def rotated_op(name: str, x, *params):
-    """Marker of a rotated op in the rank-generic graph; codegen unrolls it for a rank."""
-    raise RuntimeError(f"rotation unit {name!r} belongs to the rank-generic program: run the "
-                       "module of a rank, prog.module(rank), not prog.graph")
-
-
-def fused_block(name: str, x, *params_then_externals):
-    """Marker of a fused block in the rank-generic graph; codegen unrolls it for a rank."""
-    raise RuntimeError(f"fused block {name!r} belongs to the rank-generic program: run the "
-                       "module of a rank, prog.module(rank), not prog.graph")
-
-
-def gathered_op(name: str, *inputs):
-    """Marker of a gathered op in the rank-generic graph; codegen calls its GatheredOpRuntime."""
-    raise RuntimeError(f"gathered op {name!r} belongs to the rank-generic program: run the "
-                       "module of a rank, prog.module(rank), not prog.graph")
-
-
-def gathered_small(*params):
-    """Marker of the small parameters gathered once per step (all of them, in one message per
-    hop); codegen calls the runtime that gathers them and returns them whole."""
-    raise RuntimeError("the small parameters belong to the rank-generic program: run the module "
-                       "of a rank, prog.module(rank), not prog.graph")
 
 
 def _meta_copy(value):

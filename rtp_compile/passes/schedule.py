@@ -28,12 +28,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from rtp_compile.capture import checkpoint_region
+from rtp_compile.core.ir import (bucket_params, checkpoint_region, fused_block, rotated_op,
+                                 unit_autograd, unit_combine, unit_step)
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
-from rtp_compile.passes.rotate import fused_block, parameters_read_only_by_units, rotated_op
+from rtp_compile.passes.rotate import parameters_read_only_by_units
 from rtp_compile.runtime import ring  # also registers torch.ops.rtp.*
 from rtp_compile.runtime.events import Event, UnitSchedule
-from rtp_compile.runtime.graph_ops import expect_dtype
+from rtp_compile.core.graph_ops import expect_dtype
 
 
 def forward_schedule(world_size: int) -> list[Event]:
@@ -94,32 +95,6 @@ def bucket_backward_schedule(world_size: int, fetch_tag: int | None = None) -> l
     return events + [Event("done", own)]
 
 
-def bucket_params(name: str, *own):
-    """Marker: bucket `name`'s parameters pass through its runtime before its units read them
-    (its backward reduce-scatters the bucket's gradients, `runtime.bucket`)."""
-    raise RuntimeError(f"bucket {name!r} belongs to the rank-generic program: run "
-                       "prog.module(rank)")
-
-
-def unit_step(name: str, step: int, x, *held_then_externals):
-    """Marker of forward step `step` of unit `name`; codegen traces the step for the shard the
-    rank holds then."""
-    raise RuntimeError(f"unit {name!r} belongs to the rank-generic program: run the module of a "
-                       "rank, prog.module(rank), not prog.graph")
-
-
-def unit_combine(name: str, parts):
-    """Marker: the steps' partial outputs of unit `name` combined (codegen concatenates them
-    in shard order, or sums them in step order right after each step)."""
-    raise RuntimeError(f"unit {name!r} belongs to the rank-generic program: run prog.module(rank)")
-
-
-def unit_autograd(name: str, y, x, *params_then_externals):
-    """Marker: unit `name`'s runtime module, which links its combined output `y` into autograd
-    (its backward executes the unit's backward events)."""
-    raise RuntimeError(f"unit {name!r} belongs to the rank-generic program: run prog.module(rank)")
-
-
 class LabellingTracer(fx.proxy.GraphAppendingTracer):
     """Appends to a graph and labels every node it creates with the current unit step."""
 
@@ -147,7 +122,7 @@ class Expanded:
     first_hop: list[fx.Node]
     last_step: fx.Node
     message_bytes: int
-    region: int | None  # the model's activation checkpoint it is in (capture.checkpoint_region)
+    region: int | None  # the model's activation checkpoint it is in (core.ir.checkpoint_region)
 
 
 @dataclass

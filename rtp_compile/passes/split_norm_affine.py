@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from rtp_compile.passes.match import op_key, parameter_reads
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
-from rtp_compile.runtime.graph_ops import affine, batch_norm_module
+from rtp_compile.core.graph_ops import affine, batch_norm_module
 
 aten = torch.ops.aten
 

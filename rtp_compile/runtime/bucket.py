@@ -19,7 +19,7 @@ import itertools
 
 import torch
 
-from rtp_compile.layout import real_part
+from rtp_compile.core.layout import real_part
 from rtp_compile.runtime import ring, transaction
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
 from rtp_compile.runtime.precision import Precision

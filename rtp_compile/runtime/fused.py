@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from rtp_compile.op_rules import LinearRule
+from rtp_compile.core.op_rules import LinearRule
 from rtp_compile.runtime.units import UnitRuntime
 
 

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rtp_compile.core.checks import check_world_size
+
 _POLL_S = 0.1  # how long the parent waits for a report before checking for dead ranks
 _DEADLINE_SLACK_S = 60.0  # the whole launch may run this much longer than the group timeout
 _EXIT_GRACE_S = 10.0  # ranks that reported get this long to exit on their own
@@ -112,13 +114,6 @@ def launch(
     finally:
         _reap(procs)
         reports.close()
-
-
-def check_world_size(world_size: Any, where: str) -> int:
-    """`world_size` if it is an int >= 1 (bools refused), else ValueError naming `where`."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"{where}: world_size must be an int >= 1, got {world_size!r}")
-    return world_size
 
 
 def _default_backend(world_size: int) -> str:

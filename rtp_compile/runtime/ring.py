@@ -415,7 +415,7 @@ def _(after):
 
 class JobCheck(Keyed):
     """First op of every rank's module: the job must match the program before any
-    communication. Also where the module's job is kept (`codegen.job_of`): its ring (world
+    communication. Also where the module's job is kept (`job_of`): its ring (world
     size, rank, group name) and, on a 2-D mesh, its place among the data-parallel replicas
     (`replica` of `replicas`, their group `replica_group_name`; 0 of 1 and None without).
     Ranks with the same `rank` hold the same shards; one replica, e.g. `replica == 0`, is
@@ -529,3 +529,14 @@ def _(key, buffers):
 
 
 effectful(torch.ops.rtp.ring_shift_start, torch.ops.rtp.ring_wait, torch.ops.rtp.ring_release)
+
+
+def job_of(gm: torch.nn.Module) -> JobCheck:
+    """The job an emitted module was built for: world size, rank and group name of its ring;
+    `replica`, `replicas` and `replica_group_name` of its data-parallel replicas (a 2-D mesh;
+    0, 1 and None without)."""
+    job = getattr(gm, "rtp_job", None)
+    if not isinstance(job, JobCheck):
+        raise ValueError("rtp_compile: this module was not emitted by RTPProgram.module(rank)")
+    return job
+

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from rtp_compile.layout import real_part
+from rtp_compile.core.layout import real_part
 from rtp_compile.runtime import ring, transaction
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
 from rtp_compile.runtime.precision import Precision
