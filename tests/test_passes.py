@@ -7,6 +7,7 @@ from torch import nn
 
 import rtp_compile
 from rtp_compile.capture.trace import capture
+from rtp_compile.core.ir import unit_of
 from rtp_compile.core.op_rules import RULES, External, Step
 from rtp_compile.passes.lower_modules import lower_modules
 from rtp_compile.passes.match import match_op, parameter_reads
@@ -172,7 +173,7 @@ def test_after_rotate_only_units_read_parameters():
         units = {u.name for u in prog.plan.units}
         for node in prog.graph.nodes:
             if node.op == "get_attr" and node.target in params:
-                assert all(u.meta.get("rtp", {}).get("unit") in units
+                assert all(unit_of(u) in units
                            for u in node.users), node
 
 

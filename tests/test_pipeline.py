@@ -8,6 +8,7 @@ import torch.fx as fx
 
 import rtp_compile
 from jobs import parity_without
+from rtp_compile.core.ir import label_of
 from rtp_compile.passes import PIPELINE
 from rtp_compile.passes.pipeline import InvariantError
 from zoo import build
@@ -100,8 +101,8 @@ def test_schedule_invariant_catches_a_parameter_read_outside_a_unit():
 def test_schedule_invariant_catches_a_wait_before_the_compute_it_overlaps():
     prog, gm = _scheduled()
     nodes = list(gm.graph.nodes)
-    wait = next(n for n in nodes if n.meta.get("rtp", {}).get("action") == "wait")
-    start = next(n for n in nodes if n.meta.get("rtp", {}).get("action") == "start")
+    wait = next(n for n in nodes if getattr(label_of(n), "action", None) == "wait")
+    start = next(n for n in nodes if getattr(label_of(n), "action", None) == "start")
     start.append(wait)  # the wait now comes right after its start, before step 0 computes
     with pytest.raises(InvariantError, match="hop 1 is not started before step 0 computes"):
         PIPELINE[-1].check(gm, prog.ctx)

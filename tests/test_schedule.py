@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import rtp_compile
+from rtp_compile.core.ir import label_of, unit_of
 from rtp_compile.passes.schedule import backward_schedule, forward_schedule
 from zoo import build
 
@@ -17,9 +18,9 @@ def unit_events(gm):
     """unit -> list of (position in the graph, step, action) of its emitted nodes."""
     events = {}
     for i, node in enumerate(gm.graph.nodes):
-        tag = node.meta.get("rtp")
-        if tag and tag["step"] is not None:
-            events.setdefault(tag["unit"], []).append((i, tag["step"], tag["action"]))
+        tag = label_of(node)
+        if tag is not None and tag.step is not None:
+            events.setdefault(tag.unit, []).append((i, tag.step, tag.action))
     return events
 
 
@@ -93,8 +94,7 @@ def test_emitted_code_reads_as_the_schedule():
 
 def _position(gm, unit, step, action):
     return [i for i, n in enumerate(gm.graph.nodes)
-            if n.meta.get("rtp", {}).get("unit") == unit
-            and (n.meta["rtp"]["step"], n.meta["rtp"]["action"]) == (step, action)]
+            if unit_of(n) == unit and (label_of(n).step, label_of(n).action) == (step, action)]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

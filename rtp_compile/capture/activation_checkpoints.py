@@ -16,16 +16,16 @@ import operator
 
 import torch.fx as fx
 
-from rtp_compile.core.ir import checkpoint_region
+from rtp_compile.core.ir import checkpoint_region, unit_of
 from rtp_compile.runtime.recompute import CheckpointedRegion
 
 
 def node_regions(graph: fx.Graph) -> dict[fx.Node, int | None]:
     """Every node's activation checkpoint (None: outside any)."""
-    of_unit = {node.meta["rtp"]["unit"]: checkpoint_region(node) for node in graph.nodes
-               if node.meta.get("rtp") and checkpoint_region(node) is not None}
+    of_unit = {unit_of(node): checkpoint_region(node) for node in graph.nodes
+               if unit_of(node) is not None and checkpoint_region(node) is not None}
     return {node: checkpoint_region(node) if checkpoint_region(node) is not None
-            else of_unit.get((node.meta.get("rtp") or {}).get("unit")) for node in graph.nodes}
+            else of_unit.get(unit_of(node)) for node in graph.nodes}
 
 
 def outline_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:

@@ -6,7 +6,7 @@ holds at that step (its offsets as constants, so `print(gm.code)` reads as the s
 `unit_combine` the parts concatenated in shard order or summed as the steps go (each added
 right after its step), `unit_autograd` the unit's runtime module (handed its backward events),
 the hops get the rank's process group. Nodes of a unit keep their label
-`node.meta["rtp"] = {"unit", "step", "action"}`.
+`core.ir.NodeLabel(unit, step, action)` in `node.meta["rtp"]`.
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from torch import nn
 from rtp_compile.capture.activation_checkpoints import outline_checkpoints
 from rtp_compile.core.op_rules import Combine
 from rtp_compile.passes.context import Context
-from rtp_compile.core.ir import (bucket_params, gathered_op, gathered_small, unit_autograd,
-                                 unit_combine, unit_step)
+from rtp_compile.core.ir import (Action, CombineMode, NodeLabel, Split, UnitKind, bucket_params,
+                                gathered_op, gathered_small, unit_autograd, unit_combine,
+                                unit_step)
 from rtp_compile.passes.schedule import LabellingTracer
 from rtp_compile.runtime.bucket import BucketRuntime
 from rtp_compile.runtime.events import forward_shard
@@ -187,8 +188,8 @@ class RankEmitter:
         x_p, held = proxy(x), {r: proxy(h) for r, h in zip(roles, rest[:len(roles)])}
         slots = {r: lay.slot(s) for r, lay in zip(roles, layouts)}
         # labels from the arguments, not node.meta (which an fx re-trace of the graph drops)
-        self.tracer.label = {"unit": name, "step": k, "action": "compute"}
-        if unit.kind == "fused":
+        self.tracer.label = NodeLabel(name, k, Action.COMPUTE)
+        if unit.kind == UnitKind.FUSED:
             out = self._fused_step(unit, s, x_p, held, slots, shapes,
                                    [env[e] for e in rest[len(roles):]])
         else:
@@ -207,7 +208,7 @@ class RankEmitter:
         if width == 0:  # an all-padding shard: only the tail's bias slot, if any
             return LINEAR.row_partial(fusion.tail.call.options, x_p.narrow(-1, 0, 0), *tail) \
                 if "bias" in tail[0] else None
-        heads = [LINEAR.forward_step("col", h.call.options, x_p,
+        heads = [LINEAR.forward_step(Split.COL, h.call.options, x_p,
                                      *[sub_roles(d, f"head{i}") for d in (shards, slots, shapes)])
                  for i, h in enumerate(fusion.heads)]
         self.saved.setdefault(unit.name, {})[s] = [h.node for h in heads]  # for backward
@@ -223,13 +224,13 @@ class RankEmitter:
         name, parts = node.args
         unit = self.units[name]
         _, _, shapes = self._layouts(unit)
-        combine = Combine("sum") if unit.kind == "fused" else \
+        combine = Combine(CombineMode.SUM) if unit.kind == UnitKind.FUSED else \
             unit.call.rule.combine(unit.mode, unit.call.options, shapes)
-        if combine.how == "sum":
+        if combine.how == CombineMode.SUM:
             return self._running_sum(name, parts, env)
         by_shard = {forward_shard(self.rank, p.args[1], self.n): env[p] for p in parts}
         ordered = [by_shard[s] for s in sorted(by_shard) if by_shard[s] is not None]
-        self.tracer.label = {"unit": name, "step": self.n - 1, "action": "combine"}
+        self.tracer.label = NodeLabel(name, self.n - 1, Action.COMBINE)
         y = self.tracer.create_node("call_function", torch.cat, (ordered, combine.dim), {},
                                     name=f"{name}_out")
         self.tracer.label = None
@@ -243,7 +244,7 @@ class RankEmitter:
         computed = [(p.args[1], env[p]) for p in steps if env[p] is not None]
         (_, y), rest = computed[0], computed[1:]
         for k, part in rest:
-            self.tracer.label = {"unit": name, "step": k, "action": "combine"}
+            self.tracer.label = NodeLabel(name, k, Action.COMBINE)
             with self.graph.inserting_after(part):
                 y = self.tracer.create_node("call_function", add_into, (y, part), {},
                                             name=f"{name}_sum")
@@ -258,7 +259,7 @@ class RankEmitter:
         roles, layouts, _ = self._layouts(unit)
         common = (self.rank, self.n, self.group_name, self.ctx.schedules[name],
                   self.ctx.grad_scale, self.ctx.precision)
-        if unit.kind == "fused":
+        if unit.kind == UnitKind.FUSED:
             self.root[f"rtp_units.{name}"] = FusedBlockRuntime(name, unit.fusion, roles, layouts,
                                                        self.ctx.bodies[name], *common)
             saved = self.saved.get(name, {})
@@ -299,7 +300,7 @@ class RankEmitter:
     def _small(self, node: fx.Node, env) -> fx.Node:
         """The small parameters' runtime, called on their own shards: their whole tensors."""
         names = [read.target for read in node.args]
-        first = next(u for u in self.plan.units if u.kind == "small")
+        first = next(u for u in self.plan.units if u.kind == UnitKind.SMALL)
         self.root["rtp_units.small_params"] = SmallParamsGather(
             names, [self.plan.params[p] for p in names], self.rank, self.n, self.group_name,
             self.ctx.schedules[first.name], self.ctx.grad_scale, self.ctx.precision)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from rtp_compile.core.ir import UnitKind
 from rtp_compile.capture.trace import capture
 from rtp_compile.codegen.emit import RankEmitter
 from rtp_compile.cost.model import rtp_cost
@@ -154,10 +155,10 @@ class RTPProgram:
             layouts = [self.plan.params[p] for p in u.params.values()]
             held = sum(lay.shard_bytes for lay in layouts)
             dims = ", ".join(f"{p} dim {self.plan.params[p].dim}" for p in u.params.values())
-            if u.kind == "rotate":
+            if u.kind == UnitKind.ROTATE:
                 lines.append(f"  rotated  {u.name}: {u.call.rule.name} {u.mode} [{u.target}] "
                              f"({dims}); {held:,} B/rank")
-            elif u.kind == "fused" and u.fusion.attention:
+            elif u.kind == UnitKind.FUSED and u.fusion.attention:
                 f = u.fusion
                 lines.append(f"  fused    {u.name}: attention heads of {len(f.heads)} "
                              f"projection(s) through {f.tail.params['weight'].rpartition('.')[0]}, "
@@ -165,12 +166,12 @@ class RTPProgram:
                              f"group(s) cut whole, up to {-(-f.groups // self.world_size)} per "
                              f"rank; one ring pass, heads never concatenated [{u.target}] "
                              f"({dims}); {held:,} B/rank")
-            elif u.kind == "fused":
+            elif u.kind == UnitKind.FUSED:
                 lines.append(f"  fused    {u.name}: {len(u.fusion.heads)} linear(s) -> "
                              f"{len(u.fusion.region)} pointwise op(s) -> linear, one ring pass, "
                              f"hidden {u.fusion.hidden} never concatenated [{u.target}] "
                              f"({dims}); {held:,} B/rank")
-            elif u.kind == "small":
+            elif u.kind == UnitKind.SMALL:
                 lines.append(f"  small    {u.name}: {u.target} ({', '.join(u.params.values())}) "
                              f"gathered once per step with the other small parameters (one "
                              f"message per hop for all); {held:,} B/rank")

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rtp_compile.core.ir import CombineMode, Split
 from rtp_compile.core.layout import Slot, real_part
 from rtp_compile.core.graph_ops import affine
 
@@ -33,7 +34,7 @@ from rtp_compile.core.graph_ops import affine
 @dataclass(frozen=True)
 class Combine:
     """How step outputs form the op's output: concatenated along `dim`, or summed."""
-    how: str  # "cat" | "sum"
+    how: CombineMode
     dim: int = -1
 
 
@@ -114,10 +115,11 @@ class LinearRule(Rule):
 
     def modes(self, shapes, options):
         out_dim, in_dim = (1, 0) if options.get("transposed") else (0, 1)
-        return {"col": {"weight": out_dim, "bias": 0}, "row": {"weight": in_dim, "bias": 0}}
+        return {Split.COL: {"weight": out_dim, "bias": 0},
+                Split.ROW: {"weight": in_dim, "bias": 0}}
 
     def combine(self, mode, options, shapes):
-        return Combine("cat", -1) if mode == "col" else Combine("sum")
+        return Combine(CombineMode.CAT, -1) if mode == Split.COL else Combine(CombineMode.SUM)
 
     @staticmethod
     def weight_as_out_in(options, shard, dim, slot):
@@ -126,7 +128,7 @@ class LinearRule(Rule):
         return w.t() if options.get("transposed") else w  # always [out, in] from here on
 
     def forward_step(self, mode, options, x, shards, slots, shapes):
-        if mode == "col":
+        if mode == Split.COL:
             w = self.weight_as_out_in(options, shards["weight"], self.weight_dim(mode, options),
                                       slots["weight"])
             b = real_part(shards["bias"], 0, slots["bias"]) if "bias" in shards else None
@@ -140,7 +142,7 @@ class LinearRule(Rule):
 
     def row_partial(self, options, x_part, shards, slots, shapes):
         """Row split, given the input's slice for this shard: x_s W_sᵀ (+ the bias in its slot)."""
-        w = self.weight_as_out_in(options, shards["weight"], self.weight_dim("row", options),
+        w = self.weight_as_out_in(options, shards["weight"], self.weight_dim(Split.ROW, options),
                                   slots["weight"])
         y = F.linear(x_part, w)
         if "bias" in shards:
@@ -150,14 +152,14 @@ class LinearRule(Rule):
     def input_grad(self, mode, options, dy, x, shards, slots, shapes, dx):
         ws = slots["weight"]
         w = self.weight_as_out_in(options, shards["weight"], self.weight_dim(mode, options), ws)
-        if mode == "col":
+        if mode == Split.COL:
             dx += dy.narrow(-1, ws.offset, ws.valid) @ w
         else:
             dx.narrow(-1, ws.offset, ws.valid).add_(dy @ w)
 
     def weight_grads(self, mode, options, dy, x, shards, slots, shapes, into):
         ws = slots["weight"]
-        if mode == "col":
+        if mode == Split.COL:
             self.col_weight_grads(options, dy.narrow(-1, ws.offset, ws.valid), x, into)
         else:
             self.row_weight_grads(options, dy, x.narrow(-1, ws.offset, ws.valid), slots, into)
@@ -193,10 +195,11 @@ class ConvRule(Rule):
 
     def modes(self, shapes, options):
         out_dim, in_dim = (1, 0) if options["transposed"] else (0, 1)
-        return {"col": {"weight": out_dim, "bias": 0}, "row": {"weight": in_dim, "bias": 0}}
+        return {Split.COL: {"weight": out_dim, "bias": 0},
+                Split.ROW: {"weight": in_dim, "bias": 0}}
 
     def combine(self, mode, options, shapes):
-        return Combine("cat", 1) if mode == "col" else Combine("sum")
+        return Combine(CombineMode.CAT, 1) if mode == Split.COL else Combine(CombineMode.SUM)
 
     @staticmethod
     def _args(o):
@@ -206,7 +209,7 @@ class ConvRule(Rule):
         wdim = self.modes(shapes, options)[mode]["weight"]
         ws = slots["weight"]
         w = real_part(shards["weight"], wdim, ws)
-        if mode == "col":
+        if mode == Split.COL:
             if ws.valid == 0:
                 return None  # an all-padding shard adds no output channel
             b = real_part(shards["bias"], 0, slots["bias"]) if "bias" in shards else None
@@ -224,7 +227,7 @@ class ConvRule(Rule):
         wdim = self.modes(shapes, options)[mode]["weight"]
         ws = slots["weight"]
         w = real_part(shards["weight"], wdim, ws)
-        if mode == "col":
+        if mode == Split.COL:
             return dy.narrow(1, ws.offset, ws.valid), x, w
         return dy, x.narrow(1, ws.offset, ws.valid), w
 
@@ -235,7 +238,7 @@ class ConvRule(Rule):
         gx = torch.ops.aten.convolution_backward(g, inp, w, None, *self._args(options),
                                                  [True, False, False])[0]
         ws = slots["weight"]
-        (dx if mode == "col" else dx.narrow(1, ws.offset, ws.valid)).add_(gx)
+        (dx if mode == Split.COL else dx.narrow(1, ws.offset, ws.valid)).add_(gx)
 
     def weight_grads(self, mode, options, dy, x, shards, slots, shapes, into):
         if slots["weight"].valid:
@@ -254,10 +257,10 @@ class EmbeddingRule(Rule):
     name = "embedding"
 
     def modes(self, shapes, options):
-        return {"col": {"weight": 1}}
+        return {Split.COL: {"weight": 1}}
 
     def combine(self, mode, options, shapes):
-        return Combine("cat", -1)
+        return Combine(CombineMode.CAT, -1)
 
     def forward_step(self, mode, options, x, shards, slots, shapes):
         return F.embedding(x, real_part(shards["weight"], 1, slots["weight"]))
@@ -290,7 +293,7 @@ class ElementwiseRule(Rule):
                 if shape[d] > 1}
 
     def combine(self, mode, options, shapes):
-        return Combine("cat", self._mode_dims(mode, options, shapes)[1])
+        return Combine(CombineMode.CAT, self._mode_dims(mode, options, shapes)[1])
 
     @staticmethod
     def _seen_dim(options, shape, pdim):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
+from rtp_compile.core.ir import UnitKind
 from rtp_compile.cost.profile import Profile
 from rtp_compile.runtime.precision import Precision
 
@@ -177,7 +178,7 @@ def rtp_cost(plan, profile: Profile, optimizer: str = "adamw", dtype=None,
     def full_of(names):
         return sum(math.prod(plan.params[n].shape) * rotating[n].itemsize for n in names)
 
-    small = list(dict.fromkeys(p for u in plan.units if u.kind == "small"
+    small = list(dict.fromkeys(p for u in plan.units if u.kind == UnitKind.SMALL
                                for p in u.params.values()))
     if small:  # one all-gather forward, one reduce-scatter backward, for all of them
         message, grad = message_of(small), message_of(small, reducing)
@@ -197,12 +198,12 @@ def rtp_cost(plan, profile: Profile, optimizer: str = "adamw", dtype=None,
         forward_units.append((span, arrived))
         backward_units.append((span, arrived + ring * N * grad))
     for unit in plan.units:
-        if unit.kind == "small" or unit.name in bucketed:
+        if unit.kind == UnitKind.SMALL or unit.name in bucketed:
             continue
         names = list(unit.params.values())
         message, grad = message_of(names), message_of(names, reducing)
         traffic += (N - 1) * (2 * message + grad)
-        if unit.kind == "gather":
+        if unit.kind == UnitKind.GATHER:
             full = full_of(names)
             forward_units.append((read_at(names), full + 2 * ring * message))
             backward_units.append((read_at(names), 2 * full + 2 * ring * grad))  # + grads

@@ -1,7 +1,7 @@
 """A rank's program drawn as its schedule: `RTPProgram.draw(rank, path)`.
 
 The rank's fx graph is collapsed into boxes a person can read at a glance: each forward step of
-a rotation unit (its compute with the shard the rank holds then, `node.meta["rtp"]`), each ring
+a rotation unit (its compute with the shard the rank holds then, `core.ir.NodeLabel`), each ring
 hop's start ("send") and wait, each gathered op, and each run of plain ops between them. A
 unit's parameter reads, detaches and views are drawn through, not as boxes. Edges: data flow,
 each hop from its send to its wait (the message in flight, with its bytes), and the schedule's
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import networkx as nx
 import torch.fx as fx
 
+from rtp_compile.core.ir import Action, UnitKind, label_of, target_name
 from rtp_compile.runtime.events import forward_shard
 
 FORMATS = (".svg", ".png", ".pdf")
@@ -77,19 +78,19 @@ def schedule_graph(gm: fx.GraphModule, world_size: int, rank: int,
 
 def _box_key(node: fx.Node, n: int) -> str | None:
     """The box `node` belongs to; "ops" for a plain op; None for plumbing drawn through."""
-    label = node.meta.get("rtp")
+    label = label_of(node)
     if node.op == "placeholder":
         return f"input {node.name}"
     if node.op == "output":
         return "output"
     if label is None:
         return None if node.op == "get_attr" or node.target in _THROUGH else "ops"
-    action, unit, step = label["action"], label["unit"], label["step"]
-    if action in ("detach", "bucket"):
+    action, unit, step = label.action, label.unit, label.step
+    if action in (Action.DETACH, Action.BUCKET):
         return None
-    if action in ("start", "wait"):
-        return f"{'send' if action == 'start' else 'wait'} {unit} {step}"
-    if action in ("gather", "small"):
+    if action in (Action.START, Action.WAIT):
+        return f"{'send' if action == Action.START else 'wait'} {unit} {step}"
+    if action in (UnitKind.GATHER, UnitKind.SMALL):
         return f"gathered {unit}"
     return f"step {unit} {n - 1 if step is None else step}"  # the autograd link: last step
 
@@ -101,18 +102,19 @@ def _wait_of(send_key: str) -> str:
 def _box(key: str, nodes: list[fx.Node], order: int, n: int, rank: int, colour_of) -> Box:
     """The box of `nodes` (in program order), labelled by what they do."""
     kind, first = key.split(" ", 1)[0], nodes[0]
-    label = first.meta.get("rtp") or {}
-    unit = label.get("unit")
-    colour = "small parameters" if label.get("action") == "small" else colour_of.get(unit, unit)
+    label = label_of(first)
+    unit = None if label is None else label.unit
+    small = label is not None and label.action == UnitKind.SMALL
+    colour = "small parameters" if small else colour_of.get(unit, unit)
     if kind == "step":
         step = int(key.rsplit(" ", 1)[1])
         text = f"{unit}\nstep {step}: shard {forward_shard(rank, step, n)}"
     elif kind == "send":  # its node: ring_shift_start(tensors, group, shift, tag, where)
-        text = f"send {first.args[4]}\n{_kib(label['bytes'])}"
+        text = f"send {first.args[4]}\n{_kib(label.bytes)}"
     elif kind == "wait":  # its first node: ring_wait(what the send receives into)
         text = f"wait {first.args[0].args[4]}"
     elif kind == "gathered":
-        units = label.get("units", [unit])
+        units = label.units or [unit]
         text = f"gathered: {unit}" if len(units) == 1 else \
             f"gathered: small params\n({len(units)} units)"
     elif kind == "ops":
@@ -125,16 +127,9 @@ def _box(key: str, nodes: list[fx.Node], order: int, n: int, rank: int, colour_o
 def _ops_label(nodes: list[fx.Node]) -> str:
     """What a run of plain ops computes: its ops (each once, views and reshapes left out
     where others remain), at most three lines."""
-    names = list(dict.fromkeys(_op_name(node) for node in nodes))
+    names = list(dict.fromkeys(target_name(node) for node in nodes))
     names = [name for name in names if name not in _VIEWS] or names
     return "\n".join(names[:3] + ([f"+{len(names) - 3} more"] if len(names) > 3 else []))
-
-
-def _op_name(node: fx.Node) -> str:
-    if node.op == "call_module":
-        return str(node.target)
-    target = node.target
-    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
 
 
 def _kib(nbytes: int) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import pathlib
 
-import torch
 import torch.distributed as dist
 
 from rtp_compile.runtime.launch import launch

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from rtp_compile.core.ir import RewriteKind, target_name
 aten = torch.ops.aten
 
 
@@ -49,7 +50,7 @@ class Rewrite:
     becomes the shard's groups x size/G), "slice" (narrow the operand's `dim` to the shard's
     groups), "check" (an operand of unknown shape: sliced or broadcast, decided at run time)."""
     path: tuple
-    kind: str
+    kind: RewriteKind
     size: int
     dim: int = 0
     rank: int | None = None             # check: the most dims the operand may have
@@ -223,11 +224,11 @@ class CutWalk:
         shape = _known_shape(value, self.gm)
         if shape is None:
             rank = len(cut.shape) if cut.shape else None
-            self._rewrite(node, Rewrite(path, "check", cut.size, cut.dim, rank))
+            self._rewrite(node, Rewrite(path, RewriteKind.CHECK, cut.size, cut.dim, rank))
         elif len(shape) < -cut.dim or shape[cut.dim] == 1:
             return
         elif _same(shape[cut.dim], sympy.Integer(cut.size)):
-            self._rewrite(node, Rewrite(path, "slice", cut.size, cut.dim))
+            self._rewrite(node, Rewrite(path, RewriteKind.SLICE, cut.size, cut.dim))
         else:
             raise NotExact(f"{node.name}'s operand {value.name} has extent {shape[cut.dim]} on "
                            f"the head axis of extent {cut.size}")
@@ -238,7 +239,7 @@ class CutWalk:
             return None  # depends on the shard nowhere (a size of an uncut dim, a constant)
         kind = op_kind(node)
         if kind is None:
-            raise NotExact(f"{node.name} ({getattr(node.target, '__name__', node.target)}) has "
+            raise NotExact(f"{node.name} ({target_name(node)}) has "
                            f"no rule for running on a slice of the head / hidden axis")
         cut = getattr(self, f"_{kind}")(node)
         meta = meta_shape(node)
@@ -263,7 +264,7 @@ class CutWalk:
                     if not isinstance(self._of(a), Cut)]
         if shape and any(o is not None and len(o) > len(shape) for o in operands):
             shape = None
-        if shape and any(r.kind == "check" for r in self.rewrites.get(node.name, ())):
+        if shape and any(r.kind == RewriteKind.CHECK for r in self.rewrites.get(node.name, ())):
             shape = tuple(s if d == len(shape) + cut.dim else
                           sympy.Symbol(f"{node.name}_{d}", positive=True, integer=True)
                           for d, s in enumerate(shape))
@@ -375,7 +376,8 @@ class CutWalk:
         if entry is None:
             raise NotExact(f"{node.name} moves the head axis out of the sizes it names")
         if entry != -1:
-            self._rewrite(node, Rewrite(path(len(sizes) + found), "size", int(out[found])))
+            self._rewrite(node, Rewrite(path(len(sizes) + found), RewriteKind.SIZE,
+                                        int(out[found])))
         lead = len(out) + found  # a -1 before the cut is a leading size of its own
         shape = tuple(sympy.Symbol(f"{node.name}_{d}", positive=True, integer=True)
                       if s is None and d < lead else s for d, s in enumerate(out))
@@ -388,7 +390,7 @@ class CutWalk:
         if entry != -1:
             if isinstance(entry, int) and entry != cut.size:
                 raise NotExact(f"{node.name} expands the head axis")
-            self._rewrite(node, Rewrite(path(len(sizes) + cut.dim), "size", cut.size))
+            self._rewrite(node, Rewrite(path(len(sizes) + cut.dim), RewriteKind.SIZE, cut.size))
         return Cut(cut.dim, cut.size)
 
     def _transpose(self, node):
@@ -457,7 +459,7 @@ class CutWalk:
             return Cut(cut.dim, cut.size, shape)
         if args.get("output_size") is not None:
             path = ("args", 3) if len(node.args) > 3 else ("kwargs", "output_size")
-            self._rewrite(node, Rewrite(path, "size", cut.size * repeats))
+            self._rewrite(node, Rewrite(path, RewriteKind.SIZE, cut.size * repeats))
         return Cut(cut.dim, cut.size * repeats, shape)
 
     def _cut_alike(self, node) -> tuple[list[Cut], int]:
@@ -560,8 +562,7 @@ class CutWalk:
 
 def _unbinds(node: fx.Node) -> bool:
     """unbind: its pieces lose the dim they are taken on (split, chunk: they keep it)."""
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return name.split(".")[0] == "unbind"
+    return node.op != "call_module" and target_name(node).split(".")[0] == "unbind"
 
 
 def _packed(node: fx.Node):

@@ -28,6 +28,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from rtp_compile.core.ir import RewriteKind, Split, UnitKind
 from rtp_compile.passes.cut_axis import CutWalk, NotExact, Rewrite, is_attention, op_kind
 from rtp_compile.passes.match import parameter_reads
 from rtp_compile.passes.pipeline import graph_pass
@@ -65,7 +66,7 @@ def _block_name(units: list[Unit]) -> str:
 
 
 def _is_head(unit: Unit) -> bool:
-    return unit.kind == "rotate" and unit.call.rule.name == "linear" and unit.mode == "col"
+    return unit.kind == UnitKind.ROTATE and unit.call.rule.name == "linear" and unit.mode == Split.COL
 
 
 def _is_metadata_read(node: fx.Node) -> bool:
@@ -181,7 +182,7 @@ def fuse_blocks(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     (`Options.fixed_layouts`) otherwise than it is cut is not fused."""
     plan = ctx.plan
     finder = BlockFinder(gm, plan, ctx.options.fuse_padding)
-    for tail in [u for u in plan.units if u.kind == "rotate" and u.call.rule.name == "linear"]:
+    for tail in [u for u in plan.units if u.kind == UnitKind.ROTATE and u.call.rule.name == "linear"]:
         if tail not in plan.units:
             continue
         found = finder.region_of(tail)
@@ -242,7 +243,8 @@ def _record_fusion(plan: Plan, fusion: Fusion) -> None:
     for unit in fusion.heads + [fusion.tail]:
         plan.units.remove(unit)
     name = unique_name(_block_name(fusion.heads + [fusion.tail]), plan.names())
-    plan.units.append(Unit(name, fusion.tail.node, "fused", params, fusion.tail.call, "row",
+    plan.units.append(Unit(name, fusion.tail.node, UnitKind.FUSED, params, fusion.tail.call,
+                           Split.ROW,
                            target="+".join(u.target for u in fusion.heads + [fusion.tail]),
                            fusion=fusion))
 
@@ -256,13 +258,13 @@ def _rewritten(graph: fx.Graph, args: list, kwargs: dict, rewrites, first, group
         where, key, *inner = r.path
         box = args if where == "args" else kwargs
         value = box[key][inner[0]] if inner else box[key]
-        if r.kind == "size":
+        if r.kind == RewriteKind.SIZE:
             new = graph.call_function(operator.mul, (groups, per_group(r.size)))
         else:
             start = graph.call_function(operator.mul, (first, per_group(r.size)))
             length = graph.call_function(operator.mul, (groups, per_group(r.size)))
             new = graph.call_function(torch.narrow, (value, r.dim, start, length)) \
-                if r.kind == "slice" else \
+                if r.kind == RewriteKind.SLICE else \
                 graph.call_function(head_slice, (value, r.dim, start, length, r.size, r.rank))
         if inner:
             seq = list(box[key])

@@ -19,6 +19,7 @@ import math
 
 import torch.fx as fx
 
+from rtp_compile.core.ir import UnitKind
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
 from rtp_compile.passes.plan import check_plan
 
@@ -28,11 +29,11 @@ REASON = "small: gathered once per step with the other small parameters"
 def _check(gm: fx.GraphModule, ctx) -> None:
     check_plan(gm, ctx)
     units = ctx.plan.units
-    small = {p for u in units if u.kind == "small" for p in u.params.values()}
-    mixed = sorted({p for u in units if u.kind != "small" for p in u.params.values()} & small)
+    small = {p for u in units if u.kind == UnitKind.SMALL for p in u.params.values()}
+    mixed = sorted({p for u in units if u.kind != UnitKind.SMALL for p in u.params.values()} & small)
     if mixed:
         raise InvariantError(f"parameters both small and rotated or gathered: {mixed}")
-    if any(u.kind == "small" and u.call.rule.name != "elementwise" for u in units):
+    if any(u.kind == UnitKind.SMALL and u.call.rule.name != "elementwise" for u in units):
         raise InvariantError("a unit other than an elementwise one was made small")
 
 
@@ -46,10 +47,10 @@ def unit_bytes(plan, unit) -> int:
 def gather_small_params(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Mark, in `ctx.plan`, the elementwise units of at most `small_param_bytes` as small."""
     plan, limit = ctx.plan, ctx.options.small_param_bytes
-    candidates = {u.name for u in plan.units if u.kind == "rotate"
+    candidates = {u.name for u in plan.units if u.kind == UnitKind.ROTATE
                   and u.call.rule.name == "elementwise" and unit_bytes(plan, u) <= limit}
     elsewhere = {p for u in plan.units if u.name not in candidates for p in u.params.values()}
     for unit in plan.units:
         if unit.name in candidates and not set(unit.params.values()) & elsewhere:
-            unit.kind, unit.reason = "small", REASON
+            unit.kind, unit.reason = UnitKind.SMALL, REASON
     return gm

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from rtp_compile.core.ir import target_name
 from rtp_compile.core.op_rules import RULES, External, OpCall, Step
 from rtp_compile.passes.pipeline import InvariantError
 from rtp_compile.core.graph_ops import affine
@@ -244,9 +245,7 @@ def dtype_inputs(node: fx.Node) -> list[fx.Node]:
 
 
 def _op(node: fx.Node) -> str:
-    target = node.target if isinstance(node.target, str) else \
-        getattr(node.target, "__name__", str(node.target))
-    return f"{node.name} ({target})"
+    return f"{node.name} ({target_name(node)})"
 
 
 def chain_break(closure: list[fx.Node], reads) -> fx.Node | None:
@@ -431,7 +430,7 @@ def op_key(target):
 
 
 def _match(node: fx.Node, gm: fx.GraphModule, reads, closure=()) -> tuple[OpCall | None, str]:
-    target = getattr(node.target, "__name__", str(node.target))
+    target = target_name(node)
     adapter = ADAPTERS.get(op_key(node.target)) if node.op == "call_function" else None
     if node.op == "call_module":
         kind = type(gm.get_submodule(node.target)).__name__

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from rtp_compile.core.ir import target_name
 from rtp_compile.core.tables import format_table
 
 log = logging.getLogger("rtp_compile")
@@ -41,8 +42,8 @@ def op_name(node: fx.Node) -> str:
         target = node.target
         if isinstance(target, torch._ops.OpOverload):
             target = str(target)  # e.g. aten.linear.default, rtp.ring_shift_start.default
-        elif not isinstance(target, str):
-            target = getattr(target, "__name__", None) or str(target)
+        else:
+            target = target_name(node)
         if node.op == "call_module":
             target = target.rsplit(".", 1)[0] if target.startswith("rtp_units.") else target
         return f"{node.op}:{target}"

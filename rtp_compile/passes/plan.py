@@ -17,6 +17,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from rtp_compile.core.ir import Split, UnitKind, target_name
 from rtp_compile.core.layout import ParamLayout
 from rtp_compile.core.op_rules import OpCall
 from rtp_compile.passes.match import (chain_input, dtype_inputs, match_op, parameter_reads,
@@ -30,10 +31,10 @@ class Unit:
     """One weight-bearing node of the graph and how it runs."""
     name: str                            # attribute-safe, unique
     node: str                            # node name in the captured graph
-    kind: str                            # "rotate" | "fused" | "gather" | "small"
+    kind: UnitKind
     params: dict[str, str]               # role -> parameter name
     call: OpCall | None = None           # rotate: the rule view of the node
-    mode: str | None = None              # rotate: the rule's mode
+    mode: Split | str | None = None      # rotate: the rule's mode (a Split, or elementwise "dimK")
     reason: str = ""                     # gather: why it was not rotated
     target: str = ""                     # what the node calls, for reports
     fusion: object = None                # fused: the block it runs (passes.fuse.Fusion)
@@ -70,18 +71,13 @@ class Plan:
         lines = [format_table(rows, align="left")]
         total = sum(lay.shard_bytes for lay in self.params.values())
         lines.append(f"world size {self.world_size}: {len(self.params)} parameters, "
-                     f"{sum(u.kind == 'rotate' for u in self.units)} rotated ops, "
-                     f"{sum(u.kind == 'fused' for u in self.units)} fused blocks, "
-                     f"{sum(u.kind == 'gather' for u in self.units)} gathered ops, "
-                     f"{sum(u.kind == 'small' for u in self.units)} small ones gathered per "
+                     f"{sum(u.kind == UnitKind.ROTATE for u in self.units)} rotated ops, "
+                     f"{sum(u.kind == UnitKind.FUSED for u in self.units)} fused blocks, "
+                     f"{sum(u.kind == UnitKind.GATHER for u in self.units)} gathered ops, "
+                     f"{sum(u.kind == UnitKind.SMALL for u in self.units)} small ones gathered per "
                      f"step, "
                      f"{total:,} parameter bytes per rank")
         return "\n".join(lines)
-
-
-def _target_name(node: fx.Node) -> str:
-    t = node.target
-    return t if isinstance(t, str) else getattr(t, "__name__", None) or str(t)
 
 
 def unique_name(base: str, taken: set[str]) -> str:
@@ -132,7 +128,7 @@ def check_plan(gm: fx.GraphModule, ctx) -> None:
     for u in plan.units:
         if u.node not in nodes or not set(u.params.values()) <= set(plan.params):
             raise InvariantError(f"unit {u.name} names a node or parameter that does not exist")
-    fused = [p for u in plan.units if u.kind == "fused" for p in u.params.values()]
+    fused = [p for u in plan.units if u.kind == UnitKind.FUSED for p in u.params.values()]
     if len(set(fused)) != len(fused):
         raise InvariantError("a parameter belongs to two fused blocks")
 
@@ -197,8 +193,8 @@ def make_plan(gm: fx.GraphModule, world_size: int, params: dict[str, torch.Tenso
             base = call.params.get("weight") or next(iter(call.params.values()))
             plan.units.append(Unit(unique_name(base.rpartition(".")[0] or node.name, taken),
                                    node.name,
-                                   "rotate", dict(call.params), call, mode,
-                                   target=_target_name(node)))
+                                   UnitKind.ROTATE, dict(call.params), call, mode,
+                                   target=target_name(node)))
             continue
         if call is not None and fixed.keys() & set(call.params.values()):
             reason = ("it cannot shard along the dim its parameter was already sharded on "
@@ -209,9 +205,10 @@ def make_plan(gm: fx.GraphModule, world_size: int, params: dict[str, torch.Tenso
             reason = "it reads parameters through ops the rule cannot shard"
         else:
             reason = why_not_sharded(node, gm, reads, closures[node])
-        plan.units.append(Unit(unique_name(f"{node.name}_gather", taken), node.name, "gather",
+        plan.units.append(Unit(unique_name(f"{node.name}_gather", taken), node.name,
+                               UnitKind.GATHER,
                                {f"param{i}": p for i, p in enumerate(names)}, None, None, reason,
-                               _target_name(node)))
+                               target_name(node)))
     return plan
 
 

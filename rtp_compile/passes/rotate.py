@@ -11,7 +11,7 @@ on the gathered tensors. The schedule pass then writes each rotated or fused mar
 Invariant: after this pass no node other than a unit marker reads a parameter, so no emitted
 op can see a shard where it expects the full tensor; every rotated or fused unit of the plan
 has its marker, every fused or gathered one its body in `ctx.bodies`. Every marker is labelled
-`node.meta["rtp"] = {"unit", "step": None, "action"}`.
+`NodeLabel(unit, None, kind)` (`core.ir`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from rtp_compile.core.ir import fused_block, gathered_op, gathered_small, rotated_op
+from rtp_compile.core.ir import (NodeLabel, UnitKind, fused_block, gathered_op, gathered_small,
+                                label_of, rotated_op, set_label, unit_of)
 from rtp_compile.passes.fuse import region_body
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
 from rtp_compile.passes.plan import consumer_closure, parameter_only_nodes
@@ -59,7 +60,7 @@ def gather_body(gm: fx.GraphModule, node: fx.Node,
     return fx.GraphModule(root, graph, class_name=f"Gathered_{node.name}"), inputs
 
 
-MARKERS = {rotated_op: "rotate", fused_block: "fused", gathered_op: "gather"}
+MARKERS = {rotated_op: UnitKind.ROTATE, fused_block: UnitKind.FUSED, gathered_op: UnitKind.GATHER}
 
 
 def _gather_small(graph: fx.Graph, first: fx.Node, params: list[str],
@@ -69,7 +70,7 @@ def _gather_small(graph: fx.Graph, first: fx.Node, params: list[str],
     tensor, named `<parameter>_full` so the code reads which one an op takes)."""
     with graph.inserting_before(first):
         marker = graph.call_function(gathered_small, tuple(graph.get_attr(p) for p in params))
-        marker.meta["rtp"] = {"unit": units[0], "units": units, "step": None, "action": "small"}
+        set_label(marker, NodeLabel(units[0], None, UnitKind.SMALL, units=tuple(units)))
         marker.meta["is_wrapped"] = True
         full = {}
         for i, p in enumerate(params):
@@ -81,7 +82,7 @@ def _gather_small(graph: fx.Graph, first: fx.Node, params: list[str],
 def parameters_read_only_by_units(gm: fx.GraphModule) -> None:
     """Every user of a parameter read is a node of a unit (it carries a unit label)."""
     for read in parameter_reads(gm):
-        others = [u.name for u in read.users if not u.meta.get("rtp", {}).get("unit")]
+        others = [u.name for u in read.users if not unit_of(u)]
         if others:
             raise InvariantError(f"parameter {read.target} is read outside a unit by {others}")
 
@@ -90,15 +91,15 @@ def _check(gm: fx.GraphModule, ctx) -> None:
     parameters_read_only_by_units(gm)
     markers = {n.args[0]: n.target for n in gm.graph.nodes if n.target in MARKERS}
     small = [n for n in gm.graph.nodes if n.target is gathered_small]
-    covered = set(small[0].meta["rtp"]["units"]) if small else set()
-    if len(small) > 1 or covered != {u.name for u in ctx.plan.units if u.kind == "small"}:
+    covered = set(label_of(small[0]).units) if small else set()
+    if len(small) > 1 or covered != {u.name for u in ctx.plan.units if u.kind == UnitKind.SMALL}:
         raise InvariantError("the small units are not all gathered by one gathered_small node")
     for u in ctx.plan.units:
-        if u.kind == "small":
+        if u.kind == UnitKind.SMALL:
             continue
         if MARKERS.get(markers.get(u.name)) != u.kind:
             raise InvariantError(f"unit {u.name} ({u.kind}) has no marker of its kind")
-        if u.kind != "rotate" and u.name not in ctx.bodies:
+        if u.kind != UnitKind.ROTATE and u.name not in ctx.bodies:
             raise InvariantError(f"unit {u.name} ({u.kind}) has no body")
 
 
@@ -112,11 +113,11 @@ def rotate(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     bodies: dict[str, fx.GraphModule] = {}
     graph = gm.graph
     by_name = {n.name: n for n in graph.nodes}  # units rewritten so far map to their markers
-    small = [u for u in plan.units if u.kind == "small"]
+    small = [u for u in plan.units if u.kind == UnitKind.SMALL]
     small_params = list(dict.fromkeys(p for u in small for p in u.params.values()))
     # a small op and its parameter chain stay; they read the gathered whole tensors
     small_ops = {n: consumer_closure(n, param_only) for n in graph.nodes
-                 if n.name in by_node and by_node[n.name].kind == "small"}
+                 if n.name in by_node and by_node[n.name].kind == UnitKind.SMALL}
     if small_ops:
         chained = {n for closure in small_ops.values() for n in closure if n not in reads}
         first = next(n for n in graph.nodes if n in small_ops or n in chained)
@@ -126,16 +127,16 @@ def rotate(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 user.replace_input_with(read, gathered[reads[read]])
     for node in list(graph.nodes):
         unit = by_node.get(node.name)
-        if unit is None or unit.kind == "small":
+        if unit is None or unit.kind == UnitKind.SMALL:
             continue
         with graph.inserting_before(node):
             param_reads = [graph.get_attr(p) for p in unit.params.values()]
-            if unit.kind == "rotate":
+            if unit.kind == UnitKind.ROTATE:
                 x = by_name[unit.call.input]
                 externals = [graph.call_function(getattr, (by_name[e], attr)) if attr
                              else by_name[e] for e, attr in unit.call.externals]
                 marker = graph.call_function(rotated_op, (unit.name, x, *param_reads, *externals))
-            elif unit.kind == "fused":
+            elif unit.kind == UnitKind.FUSED:
                 bodies[unit.name] = region_body(gm, unit.fusion)
                 x = by_name[unit.fusion.heads[0].call.input]
                 externals = [by_name[e] for e in unit.fusion.externals]
@@ -145,12 +146,12 @@ def rotate(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 bodies[unit.name] = body
                 marker = graph.call_function(gathered_op, (unit.name, *inputs, *param_reads))
         marker.meta.update(node.meta)
-        marker.meta["rtp"] = {"unit": unit.name, "step": None, "action": unit.kind}
+        set_label(marker, NodeLabel(unit.name, None, unit.kind))
         marker.meta["is_wrapped"] = True  # fx records it as a call when re-tracing (pickling)
         node.replace_all_uses_with(marker)
         by_name[node.name] = marker
         graph.erase_node(node)
-        if unit.kind == "fused":  # the block's hidden ops and first layers now live in the unit
+        if unit.kind == UnitKind.FUSED:  # the block's hidden ops and first layers now live in the unit
             for name in [*reversed(unit.fusion.region), *(h.node for h in unit.fusion.heads)]:
                 graph.erase_node(by_name[name])
     # only the parameter reads and parameter-only ops the units took over may go

@@ -23,12 +23,13 @@ receives; every unit has its schedule; parameters are read only by the nodes of 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
 
-from rtp_compile.core.ir import (bucket_params, checkpoint_region, fused_block, rotated_op,
+from rtp_compile.core.ir import (LABEL_KEY, Action, NodeLabel, UnitKind, bucket_params,
+                                 checkpoint_region, fused_block, label_of, rotated_op, set_label,
                                  unit_autograd, unit_combine, unit_step)
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
 from rtp_compile.passes.rotate import parameters_read_only_by_units
@@ -42,10 +43,10 @@ def forward_schedule(world_size: int) -> list[Event]:
     events = []
     for k in range(world_size):
         if k + 1 < world_size:
-            events.append(Event("start", k + 1))
-        events.append(Event("compute", k))
+            events.append(Event(Action.START, k + 1))
+        events.append(Event(Action.COMPUTE, k))
         if k + 1 < world_size:
-            events.append(Event("wait", k + 1))
+            events.append(Event(Action.WAIT, k + 1))
     return events
 
 
@@ -64,18 +65,18 @@ def backward_schedule(world_size: int, fetch_tag: int | None = None,
     """
     n = world_size
     own = n - 1
-    events = [Event("fetch_start", 0, fetch_tag), Event("input_grad", own)] if n > 1 else []
+    events = [Event(Action.FETCH_START, 0, fetch_tag), Event(Action.INPUT_GRAD, own)] if n > 1 else []
     for j in range(n - 1):
-        events.append(Event("fetch_wait", j))
+        events.append(Event(Action.FETCH_WAIT, j))
         if j == n - 2:
-            events.append(Event("release", j))
+            events.append(Event(Action.RELEASE, j))
         if j + 1 < n - 1:
-            events.append(Event("fetch_start", j + 1, fetch_tag))
-        events += [Event("input_grad", j), Event("receive_grad", j), Event("weight_grad", j),
-                   Event("pass", j, grad_tag)]
+            events.append(Event(Action.FETCH_START, j + 1, fetch_tag))
+        events += [Event(Action.INPUT_GRAD, j), Event(Action.RECEIVE_GRAD, j), Event(Action.WEIGHT_GRAD, j),
+                   Event(Action.PASS, j, grad_tag)]
     if n == 1:
-        events.append(Event("input_grad", own))
-    return events + [Event("receive_grad", own), Event("weight_grad", own)]
+        events.append(Event(Action.INPUT_GRAD, own))
+    return events + [Event(Action.RECEIVE_GRAD, own), Event(Action.WEIGHT_GRAD, own)]
 
 
 def bucket_backward_schedule(world_size: int, fetch_tag: int | None = None) -> list[Event]:
@@ -85,14 +86,14 @@ def bucket_backward_schedule(world_size: int, fetch_tag: int | None = None) -> l
     others find them done); each step's gradient goes into the bucket's rows, which the bucket
     reduce-scatters after its last unit (`done`)."""
     n, own = world_size, world_size - 1
-    events = [Event("fetch_start", 0, fetch_tag), Event("input_grad", own),
-              Event("weight_grad", own)]
+    events = [Event(Action.FETCH_START, 0, fetch_tag), Event(Action.INPUT_GRAD, own),
+              Event(Action.WEIGHT_GRAD, own)]
     for j in range(n - 1):
-        events.append(Event("fetch_wait", j))
+        events.append(Event(Action.FETCH_WAIT, j))
         if j + 1 < n - 1:
-            events.append(Event("fetch_start", j + 1, fetch_tag))
-        events += [Event("input_grad", j), Event("weight_grad", j)]
-    return events + [Event("done", own)]
+            events.append(Event(Action.FETCH_START, j + 1, fetch_tag))
+        events += [Event(Action.INPUT_GRAD, j), Event(Action.WEIGHT_GRAD, j)]
+    return events + [Event(Action.DONE, own)]
 
 
 class LabellingTracer(fx.proxy.GraphAppendingTracer):
@@ -105,7 +106,7 @@ class LabellingTracer(fx.proxy.GraphAppendingTracer):
     def create_node(self, *args, **kwargs):
         node = super().create_node(*args, **kwargs)
         if self.label is not None:
-            node.meta["rtp"] = dict(self.label)
+            set_label(node, replace(self.label))
         return node
 
 
@@ -159,21 +160,21 @@ def _finish(graph, tracer, member: _Member, x_in, parts: list[fx.Node]) -> None:
     """After a unit's steps `parts`: their combine and the autograd link, in place of the
     unit's marker (call inside `graph.inserting_before(member.marker)`)."""
     create, name = tracer.create_node, member.unit.name
-    tracer.label = {"unit": name, "step": len(parts) - 1, "action": "combine"}
+    tracer.label = NodeLabel(name, len(parts) - 1, Action.COMBINE)
     y = create("call_function", unit_combine, (name, parts), {}, name=f"{name}_out")
-    tracer.label = {"unit": name, "step": None, "action": member.unit.kind}
+    tracer.label = NodeLabel(name, None, member.unit.kind)
     link = create("call_function", unit_autograd,
                   (name, y, member.x, *member.params, *member.externals), {}, name=name)
     for node in (*parts, y, link):
         node.meta["is_wrapped"] = True  # fx records a marker as a call when re-tracing (pickle)
-    link.meta.update({k: v for k, v in member.marker.meta.items() if k != "rtp"})
+    link.meta.update({k: v for k, v in member.marker.meta.items() if k != LABEL_KEY})
     member.marker.replace_all_uses_with(link)
     graph.erase_node(member.marker)
 
 
 def _step(tracer, member: _Member, k: int, x_in, held: list[fx.Node]) -> fx.Node:
     name = member.unit.name
-    tracer.label = {"unit": name, "step": k, "action": "compute"}
+    tracer.label = NodeLabel(name, k, Action.COMPUTE)
     return tracer.create_node("call_function", unit_step,
                               (name, k, x_in, *held, *member.externals), {}, name=f"{name}_y{k}")
 
@@ -193,7 +194,7 @@ def _unit_input(create, member: _Member) -> fx.Node:
     """The unit's input, detached; under mixed precision, for an op that needs its input in
     its weights' dtype (linear, conv, a fused block's linears), checked to be in it."""
     unit, name = member.unit, f"{member.unit.name}_in"
-    op = "fused block" if unit.kind == "fused" else unit.call.rule.name
+    op = "fused block" if unit.kind == UnitKind.FUSED else unit.call.rule.name
     (_, compute), master = member.specs[0], member.masters[0]
     if op not in ("fused block", "linear", "conv") or compute == master:
         return create("call_method", "detach", (member.x,), {}, name=name)
@@ -215,8 +216,7 @@ def _expand(graph: fx.Graph, members: list[_Member], n: int, tag: int,
     with graph.inserting_before(lead.marker):
         first = [p for m in members for p in m.params]
         if bucket is not None:
-            tracer.label = {"unit": lead.unit.name, "step": 0, "action": "bucket",
-                            "bucket": bucket}
+            tracer.label = NodeLabel(lead.unit.name, 0, Action.BUCKET, bucket=bucket)
             through = create("call_function", bucket_params, (bucket, *first), {},
                              name=f"{bucket}_params")
             through.meta["is_wrapped"] = True  # a call when fx re-traces it (pickle)
@@ -230,27 +230,27 @@ def _expand(graph: fx.Graph, members: list[_Member], n: int, tag: int,
                 first += m.params
         arrived: dict[int, dict[str, list[fx.Node]]] = {0: {}}
         for m in members:
-            tracer.label = {"unit": m.unit.name, "step": 0, "action": "detach"}
+            tracer.label = NodeLabel(m.unit.name, 0, Action.DETACH)
             own = [_own_shard(create, p, master, compute, m.label(r, 0))
                    for p, r, master, (_, compute) in zip(m.params, m.unit.params, m.masters,
                                                          m.specs)]
             arrived[0][m.unit.name] = [nodes[-1] for nodes in own]
             first += [node for nodes in own for node in nodes]
         held = [d for m in members for d in arrived[0][m.unit.name]]
-        tracer.label = {"unit": lead.unit.name, "step": 0, "action": "detach"}
+        tracer.label = NodeLabel(lead.unit.name, 0, Action.DETACH)
         x_in = _unit_input(create, lead)
         parts = []
         for event in forward_schedule(n):  # the lead unit: start(k+1), compute(k), wait(k+1)
             k = event.step
-            tracer.label = {"unit": lead.unit.name, "step": k, "action": event.action}
-            if event.action == "start":
-                tracer.label.update(message, **({"bucket": bucket} if bucket else {}))
+            tracer.label = NodeLabel(lead.unit.name, k, event.action)
+            if event.action == Action.START:
+                tracer.label = replace(tracer.label, bucket=bucket, **message)
                 received = create("call_function", torch.ops.rtp.ring_shift_start.default,
                                   (held, "", 1, tag, f"{hop} step {k}"), {},
                                   name=f"{hop}_recv{k}")
                 if k == 1:
                     first.append(received)
-            elif event.action == "wait":  # what arrived is read only through the wait
+            elif event.action == Action.WAIT:  # what arrived is read only through the wait
                 arrival = create("call_function", torch.ops.rtp.ring_wait.default,
                                  (received, held), {}, name=f"{hop}_wait{k}")
                 if k == n - 1:  # the last hop: no buffer waits idle through compute
@@ -268,7 +268,7 @@ def _expand(graph: fx.Graph, members: list[_Member], n: int, tag: int,
         _finish(graph, tracer, lead, x_in, parts)
     for m in members[1:]:  # compute from what arrived during the lead unit's steps
         with graph.inserting_before(m.marker):
-            tracer.label = {"unit": m.unit.name, "step": 0, "action": "detach"}
+            tracer.label = NodeLabel(m.unit.name, 0, Action.DETACH)
             m_in = _unit_input(create, m)
             parts = [_step(tracer, m, k, m_in, arrived[k][m.unit.name]) for k in range(n)]
             _finish(graph, tracer, m, m_in, parts)
@@ -287,7 +287,7 @@ def prefetch(current: Expanded, following: Expanded, budget: int) -> None:
     for node in following.first_hop:
         current.last_step.prepend(node)
         if node.op == "call_function":
-            node.meta["rtp"]["prefetched"] = True
+            label_of(node).prefetched = True
 
 
 def _check(gm: fx.GraphModule, ctx) -> None:
@@ -296,24 +296,24 @@ def _check(gm: fx.GraphModule, ctx) -> None:
     for i, node in enumerate(gm.graph.nodes):
         if node.target in (rotated_op, fused_block):
             raise InvariantError(f"unit {node.args[0]} was not scheduled")
-        label = node.meta.get("rtp")
-        if label and label["step"] is not None:
-            steps.setdefault(label["unit"], {}).setdefault((label["step"], label["action"]), i)
+        label = label_of(node)
+        if label is not None and label.step is not None:
+            steps.setdefault(label.unit, {}).setdefault((label.step, label.action), i)
     n = ctx.world_size
     lead_of = {m: members[0] for members in ctx.buckets.values() for m in members}
     for u in ctx.plan.units:
         if u.name not in ctx.schedules:
             raise InvariantError(f"unit {u.name} has no schedule")
-        if u.kind in ("gather", "small"):
+        if u.kind in (UnitKind.GATHER, UnitKind.SMALL):
             continue
         at, hops = steps.get(u.name, {}), steps.get(lead_of.get(u.name, u.name), {})
         follower = lead_of.get(u.name, u.name) != u.name  # computes from its bucket's hops
         for k in range(n - 1):
-            start, compute = hops.get((k + 1, "start")), at.get((k, "compute"))
-            wait, following = hops.get((k + 1, "wait")), at.get((k + 1, "compute"))
+            start, compute = hops.get((k + 1, Action.START)), at.get((k, Action.COMPUTE))
+            wait, following = hops.get((k + 1, Action.WAIT)), at.get((k + 1, Action.COMPUTE))
             if follower:
                 ok = None not in (wait, following) and wait < following and \
-                    (k + 1, "start") not in at
+                    (k + 1, Action.START) not in at
             else:
                 ok = None not in (start, compute, wait, following) and \
                     start < compute < wait < following
@@ -332,7 +332,7 @@ def schedule(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     tags = {u.name: dict(forward_tag=3 * i, fetch_tag=3 * i + 1, grad_tag=3 * i + 2)
             for i, u in enumerate(plan.units)}
     for unit in plan.units:
-        if unit.kind in ("gather", "small"):  # they run their own ring all-gather
+        if unit.kind in (UnitKind.GATHER, UnitKind.SMALL):  # they run their own ring all-gather
             ctx.schedules[unit.name] = UnitSchedule(**tags[unit.name])
     bucket_of = {members[0]: (name, members) for name, members in ctx.buckets.items()}
     in_bucket = {m for members in ctx.buckets.values() for m in members}

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rtp_compile.core.ir import Action
+
 
 @dataclass(frozen=True)
 class Event:
     """One thing a unit does at step `step`; `tag`: the message tag of a hop it starts."""
-    action: str
+    action: Action
     step: int
     tag: int | None = None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from rtp_compile.core.ir import Split
 from rtp_compile.core.op_rules import LinearRule
 from rtp_compile.runtime.units import UnitRuntime
 
@@ -72,7 +73,7 @@ class FusedBlockRuntime(UnitRuntime):
             width = self._width(slots)
             tail = sub_roles(shards, "tail")
             w_tail = LINEAR.weight_as_out_in(self.tail_options, tail["weight"],
-                                        LINEAR.weight_dim("row", self.tail_options),
+                                        LINEAR.weight_dim(Split.ROW, self.tail_options),
                                         slots["tail.weight"])
             if width == 0:
                 scratch["h"], scratch["dheads"] = dy.new_zeros(*dy.shape[:-1], 0), \
@@ -92,7 +93,7 @@ class FusedBlockRuntime(UnitRuntime):
             return
         for i, (options, dh) in enumerate(zip(self.head_options, local["dheads"])):
             head = sub_roles(shards, f"head{i}")
-            w = LINEAR.weight_as_out_in(options, head["weight"], LINEAR.weight_dim("col", options),
+            w = LINEAR.weight_as_out_in(options, head["weight"], LINEAR.weight_dim(Split.COL, options),
                                    slots[f"head{i}.weight"])
             dx += dh @ w
 

@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch import nn
 
 from rtp_compile.core.layout import real_part
+from rtp_compile.core.ir import Action
 from rtp_compile.runtime import ring, transaction
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
 from rtp_compile.runtime.precision import Precision
@@ -167,26 +168,26 @@ class UnitRuntime(Keyed):
             scratch = scratches.setdefault(j, {})
             s = backward_shard(self.rank, j, n)
             slots = self.slots[s]
-            if action == "fetch_start":
+            if action == Action.FETCH_START:
                 fetch.start(j, event.tag)
-            elif action == "fetch_wait":
+            elif action == Action.FETCH_WAIT:
                 fetch.wait(j)
-            elif action == "release":
+            elif action == Action.RELEASE:
                 ring.pool.release()
-            elif action == "done":
+            elif action == Action.DONE:
                 fetch.done()
-            elif action == "input_grad":
+            elif action == Action.INPUT_GRAD:
                 shards = dict(zip(self.roles, own if j == n - 1 else fetch.held(j)))
                 self.step_input_grad(s, dy, x, shards, slots, saved, dx, scratch)
-            elif action == "receive_grad" and need_dw:
+            elif action == Action.RECEIVE_GRAD and need_dw:
                 grads.receive()
-            elif action == "weight_grad":
+            elif action == Action.WEIGHT_GRAD:
                 if need_dw:
                     shards = dict(zip(self.roles, own if j == n - 1 else fetch.held(j)))
                     self._add_weight_grads(s, dy, x, shards, slots, saved,
                                            dict(zip(self.roles, grads.real_parts(s))), scratch)
                 del scratches[j]  # the step is done
-            elif action == "pass" and need_dw:
+            elif action == Action.PASS and need_dw:
                 grads.pass_on(j, event.tag)
         return dx, grads.result(self.grad_scale) if need_dw else None
 
