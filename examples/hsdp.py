@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import rtp_compile
-from rtp_compile.runtime.ring import job_of
+from rtp_compile.runtime.job import job_of
 from rtp_compile.apps.models import TinyGPT, lm_loss
 
 

@@ -11,8 +11,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rtp_compile
-from rtp_compile.runtime.ring import job_of
-from rtp_compile.runtime.ring import resolve_group
+from rtp_compile.runtime.job import job_of
+from rtp_compile.runtime.groups import resolve_group
 from jobs import LR, loss_of, param_errors, rel_err
 from rtp_compile.state import dcp as checkpoint
 from decoders import DECODERS, DecoderConfig, build_decoder, decoder_batch

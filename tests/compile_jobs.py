@@ -14,7 +14,7 @@ from jobs import loss_of, rel_err
 from rtp_compile.apps.models import GPTConfig, TinyGPT
 from rtp_compile.runtime.bucket import BucketRuntime
 from rtp_compile.runtime.recompute import CheckpointedRegion
-from rtp_compile.runtime.units import GatheredOpRuntime
+from rtp_compile.runtime.gathered import GatheredOpRuntime
 from zoo import batch, build
 
 LR = 1e-2

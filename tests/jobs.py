@@ -204,11 +204,11 @@ def buffer_peaks(rank: int, world_size: int, seed: int) -> dict:
         loss.backward()
         backward = {"peak": tracker.peak, "created": tracker.created}
     del loss
-    from rtp_compile.runtime import ring
+    from rtp_compile.runtime import packing, ring
     return {"forward": forward, "backward": backward, "full_size": tracker.full_size,
             "forward_bytes": forward_bytes, "largest_message": max(messages),
             "leftover": len(tracker.live()), "pending": len(ring._pending),
-            "pooled": len(ring.pool.buffers), "units": len(prog.plan.units),
+            "pooled": len(packing.pool.buffers), "units": len(prog.plan.units),
             "kinds": sorted(u.kind for u in prog.plan.units)}
 
 
@@ -474,7 +474,7 @@ def across_a_recreated_group(rank: int, world_size: int, port: int, seed: int) -
     another timeout), the same module trained again: the ring finds the new group's peers."""
     import datetime
 
-    from rtp_compile.runtime import ring
+    from rtp_compile.runtime import groups
     prog = rtp_compile.transform(build("gpt", seed), world_size)
     gm = prog.module(rank)
     x = batch("gpt", seed, rank, 0)
@@ -489,8 +489,8 @@ def across_a_recreated_group(rank: int, world_size: int, port: int, seed: int) -
                                     world_size=world_size,
                                     timeout=datetime.timedelta(seconds=77))
     return {"same_grads": all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0]),
-            "timeout_s": ring.peers("", 1).timeout.total_seconds(),
-            "world": ring.peers("", 1).group is dist.group.WORLD}
+            "timeout_s": groups.peers("", 1).timeout.total_seconds(),
+            "world": groups.peers("", 1).group is dist.group.WORLD}
 
 
 def tensor_parallel_matches(rank: int, world_size: int, seed: int) -> float:
@@ -550,7 +550,7 @@ def bucket_buffers(rank: int, world_size: int, seed: int) -> dict:
     The model's units: a fused block and a rotated linear."""
     from torch import nn
 
-    from rtp_compile.runtime import ring
+    from rtp_compile.runtime import packing, ring
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 19), nn.Tanh(),
                           nn.Linear(19, 3)).double()
@@ -573,7 +573,7 @@ def bucket_buffers(rank: int, world_size: int, seed: int) -> dict:
     del loss
     return {"units": (len(members), len(prog.plan.units)), "message": bucket, "budget": budget, "forward_bytes": forward,
             "backward": backward, "leftover": len(tracker.live()), "pending": len(ring._pending),
-            "pooled": len(ring.pool.buffers)}
+            "pooled": len(packing.pool.buffers)}
 
 
 def trained_state(rank: int, world_size: int, names: list[str], seed: int,
@@ -679,7 +679,7 @@ def failed_backward_leaves_state(rank: int, world_size: int, seed: int, where: s
     from torch.distributed.device_mesh import init_device_mesh
 
     from rtp_compile.runtime import ring
-    from rtp_compile.runtime.units import RotatedOpRuntime
+    from rtp_compile.runtime.rotated import RotatedOpRuntime
     from zoo import FailingBackward
     model = build("midfail", seed)
     if mesh_shape is None:
@@ -828,7 +828,7 @@ def checkpointed_like_ddp(rank: int, world_size: int, seed: int, capture: str,
     batch: its ring hops (the backward's include the recomputed forwards' hops: weights
     fetched again by rotation, never kept) and its peak bytes (MemTracker)."""
     from torch.distributed._tools.mem_tracker import MemTracker
-    from rtp_compile.runtime import ring
+    from rtp_compile.runtime import packing, ring
     batches = [batch("checkpointed", seed, rank, step) for step in range(2)]
     large = torch.randn(64, 16, 10, dtype=torch.float64,
                         generator=torch.Generator().manual_seed(seed + rank))
@@ -855,7 +855,7 @@ def checkpointed_like_ddp(rank: int, world_size: int, seed: int, capture: str,
         (peaks[checkpointed],) = tracker.get_tracker_snapshot("peak").values()
     return {**errors, "regions": regions, "hops": hops,
             "peak": {k: v["Total"] for k, v in peaks.items()},
-            "left_in_flight": len(ring._pending), "pooled": len(ring.pool.buffers)}
+            "left_in_flight": len(ring._pending), "pooled": len(packing.pool.buffers)}
 
 
 def peer_raises_alone(rank: int, world_size: int, seed: int, where: str) -> dict:
@@ -875,7 +875,7 @@ def peer_raises_alone(rank: int, world_size: int, seed: int, where: str) -> dict
     prog = rtp_compile.transform(model, world_size)
     gm = prog.module(rank, group=group)
     opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1)
-    from rtp_compile.runtime.units import RotatedOpRuntime
+    from rtp_compile.runtime.rotated import RotatedOpRuntime
     units = [m for _, m in gm.named_modules() if isinstance(m, RotatedOpRuntime)]
     failing = units[len(units) // 2]
     armed = {"on": False}

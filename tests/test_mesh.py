@@ -31,7 +31,7 @@ def mesh_parity(rank: int, world_size: int, shape: tuple, names: list, seed: int
     """Per model: train_next_to_ddp's errors for the module of this rank's place in a mesh of
     `shape` (the last dim the ring), 3 AdamW steps; the module's job; and the errors a mesh
     that does not fit the program raises. `bucket_bytes`: the replicas' gradient buckets."""
-    from rtp_compile.runtime.ring import job_of
+    from rtp_compile.runtime.job import job_of
     from rtp_compile.runtime import replicas
     if bucket_bytes is not None:
         replicas.BUCKET_BYTES = bucket_bytes

@@ -262,7 +262,7 @@ def test_ring_ops_have_fake_implementations():
     """Graphs with ring ops trace under FakeTensorMode without any communication."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     import rtp_compile.runtime.ring  # noqa: F401
-    from rtp_compile.runtime.ring import unpack
+    from rtp_compile.runtime.packing import unpack
     with FakeTensorMode():
         w, b = torch.empty(3, 4), torch.empty(3)
         hop = torch.ops.rtp.ring_shift_start([w, b], "", 1, 0, "fake")
@@ -273,7 +273,7 @@ def test_ring_ops_have_fake_implementations():
 
 
 def test_one_flat_message_per_hop_packs_mixed_dtypes_aligned():
-    from rtp_compile.runtime.ring import pack, specs_of, unpack
+    from rtp_compile.runtime.packing import pack, specs_of, unpack
     tensors = [torch.randn(3, 5), torch.randn(7).to(torch.bfloat16), torch.arange(4)]
     flat = pack(tensors)
     assert flat.dtype == torch.uint8

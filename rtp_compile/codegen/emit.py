@@ -28,12 +28,12 @@ from rtp_compile.runtime.bucket import BucketRuntime
 from rtp_compile.runtime.events import forward_shard
 from rtp_compile.core.graph_ops import add_into
 from rtp_compile.runtime.fused import LINEAR, FusedBlockRuntime, head_groups, sub_roles
-from rtp_compile.runtime import ring
 from rtp_compile.runtime.replicas import ReplicaGradReduction
-from rtp_compile.runtime.registry import Keyed
-from rtp_compile.runtime.ring import BufferBroadcast, JobCheck, job_of
-from rtp_compile.runtime.transaction import GradTransaction
-from rtp_compile.runtime.units import GatheredOpRuntime, RotatedOpRuntime, SmallParamsGather
+from rtp_compile.runtime.failure import install_failure_handling
+from rtp_compile.runtime.job import BufferBroadcast, JobCheck
+from rtp_compile.runtime.gathered import GatheredOpRuntime
+from rtp_compile.runtime.rotated import RotatedOpRuntime
+from rtp_compile.runtime.small import SmallParamsGather
 
 
 def _install(root: nn.Module, target: str, value: torch.Tensor) -> None:
@@ -108,16 +108,7 @@ class RankEmitter:
                 setattr(gm, spec, getattr(self.src, spec))
         outline_checkpoints(gm)  # the model's activation checkpoints, recomputed in backward
         gm.graph.lint()
-        # a forward that raises leaves no hop in flight (also when it raised between the two),
-        # and its ring broken: its peers may be left waiting on it (runtime.ring.recover)
-        gm.register_forward_hook(_forward_returned)
-        gm.register_forward_hook(_finish_forward, always_call=True)
-        # a backward that raises leaves every shard's .grad as it was (runtime.transaction)
-        gm.rtp_grads = GradTransaction(self._replica_reduction(gm), self.group_name)
-        for module in gm.modules():  # the runtime modules whose backwards open it
-            if isinstance(module, Keyed):
-                module.transaction = gm.rtp_grads
-        gm.register_forward_pre_hook(_enter_grad_transaction)
+        install_failure_handling(gm, self._replica_reduction(gm), self.group_name)
         return gm
 
     def _replica_reduction(self, gm: fx.GraphModule) -> ReplicaGradReduction | None:
@@ -324,25 +315,3 @@ class RankEmitter:
         self.tickets[name].meta.update(node.meta)
         self.tickets[name]._rename(f"{name}_ticket")
         return out
-
-
-# The module's hooks run eagerly around a compiled forward too: traced, each would be a frame
-# compiled per module, guarded on the hops in flight and the shards' gradients.
-@torch.compiler.disable
-def _forward_returned(module, args, output) -> None:
-    module.rtp_forward_returned = True
-
-
-@torch.compiler.disable
-def _finish_forward(module, args, output) -> None:
-    """After every forward, also one that raised: no hop left in flight; a forward that raised
-    (`_forward_returned` did not run) breaks the ring, whose peers may wait on this rank."""
-    if not module.rtp_forward_returned:
-        ring.mark_broken(job_of(module).group_name, "this rank's forward raised")
-    ring.finish_leftover_hops()
-
-
-@torch.compiler.disable
-def _enter_grad_transaction(module, args) -> None:
-    module.rtp_forward_returned = False
-    module.rtp_grads.enter_forward(list(module.parameters()))

@@ -9,9 +9,10 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from rtp_compile.core.ir import UnitKind
 from rtp_compile.capture.trace import capture
 from rtp_compile.codegen.emit import RankEmitter
+from rtp_compile.compiler.mesh import place_in
+from rtp_compile.compiler.report import report
 from rtp_compile.cost.model import rtp_cost
 from rtp_compile.cost.profile import profile_of
 from rtp_compile.passes import compile_graph
@@ -88,7 +89,7 @@ class RTPProgram:
         backward they all-reduce the shards' gradients, overlapped with backward, so every rank
         holds DDP's gradient over all ranks of the mesh (mean by default, `grad_reduction`);
         a backward that fails leaves `.grad` as it was (`runtime.replicas`). Buffers come from
-        the mesh's first rank. `runtime.ring.job_of(gm)` tells the module's `replica` of `replicas`:
+        the mesh's first rank. `runtime.job.job_of(gm)` tells the module's `replica` of `replicas`:
         replicas hold the same shards, so one of them (`replica == 0`) is enough to save them.
 
         `device`: where the shards and buffers live (default: where the model's are). For a model
@@ -106,7 +107,7 @@ class RTPProgram:
             if rank is not None or group is not None:
                 raise ValueError("rtp_compile: pass either mesh=... or rank (and group), not both: "
                                  "with a mesh the rank is this process's place in its last dim")
-            rank, group, replicas = self._place_in(mesh)
+            rank, group, replicas = place_in(mesh, self.world_size)
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"rtp_compile: rank must be an int in [0, {self.world_size}), "
                              f"got {rank!r}")
@@ -119,23 +120,6 @@ class RTPProgram:
         bind_state(gm, self.state)
         return gm
 
-    def _place_in(self, mesh: DeviceMesh):
-        """(rank, ring group, replicas) of this process in a 1-D or 2-D mesh whose last dim is
-        the ring; `replicas`: RankEmitter's replica arguments (none for a 1-D mesh)."""
-        if mesh.ndim not in (1, 2):
-            raise ValueError(f"rtp_compile: a mesh of 1 or 2 dims (replicas, ring) is supported, "
-                             f"got {mesh.ndim} dims {tuple(mesh.mesh.shape)}; flatten the leading "
-                             "dims into one")
-        if mesh.size(-1) != self.world_size:
-            raise ValueError(f"rtp_compile: the mesh's last dim has {mesh.size(-1)} ranks but the "
-                             f"program was compiled for world_size={self.world_size}: the last dim "
-                             "is the ring; transform with its size")
-        rank, group = mesh.get_local_rank(mesh.ndim - 1), mesh.get_group(mesh.ndim - 1)
-        if mesh.ndim == 1:
-            return rank, group, {}
-        return rank, group, {"replica": mesh.get_local_rank(0), "replicas": mesh.size(0),
-                             "replica_group_name": mesh.get_group(0).group_name}
-
     def draw(self, rank: int, path):
         """Draw `rank`'s module as its forward schedule to `path` (.svg, .png or .pdf): each
         unit's steps coloured by unit (or bucket), each ring hop from its send to its wait,
@@ -145,46 +129,7 @@ class RTPProgram:
 
     def report(self) -> str:
         """Every weight-bearing op: rotated (rule, mode, dims) or gathered (why), bytes per rank."""
-        lines = [f"rtp_compile program for {self.world_size} ranks"]
-        precision = self.ctx.precision
-        if precision.param_dtype or precision.reduce_dtype:
-            lines.append(f"  mixed precision: shards kept in their dtype; compute and rotation "
-                         f"in {precision.param_dtype or 'their dtype'}, gradients reduced in "
-                         f"{precision.reduce_dtype or precision.param_dtype}")
-        for u in self.plan.units:
-            layouts = [self.plan.params[p] for p in u.params.values()]
-            held = sum(lay.shard_bytes for lay in layouts)
-            dims = ", ".join(f"{p} dim {self.plan.params[p].dim}" for p in u.params.values())
-            if u.kind == UnitKind.ROTATE:
-                lines.append(f"  rotated  {u.name}: {u.call.rule.name} {u.mode} [{u.target}] "
-                             f"({dims}); {held:,} B/rank")
-            elif u.kind == UnitKind.FUSED and u.fusion.attention:
-                f = u.fusion
-                lines.append(f"  fused    {u.name}: attention heads of {len(f.heads)} "
-                             f"projection(s) through {f.tail.params['weight'].rpartition('.')[0]}, "
-                             f"{f.groups} head "
-                             f"group(s) cut whole, up to {-(-f.groups // self.world_size)} per "
-                             f"rank; one ring pass, heads never concatenated [{u.target}] "
-                             f"({dims}); {held:,} B/rank")
-            elif u.kind == UnitKind.FUSED:
-                lines.append(f"  fused    {u.name}: {len(u.fusion.heads)} linear(s) -> "
-                             f"{len(u.fusion.region)} pointwise op(s) -> linear, one ring pass, "
-                             f"hidden {u.fusion.hidden} never concatenated [{u.target}] "
-                             f"({dims}); {held:,} B/rank")
-            elif u.kind == UnitKind.SMALL:
-                lines.append(f"  small    {u.name}: {u.target} ({', '.join(u.params.values())}) "
-                             f"gathered once per step with the other small parameters (one "
-                             f"message per hop for all); {held:,} B/rank")
-            else:
-                lines.append(f"  gathered {u.name}: {u.target} ({', '.join(u.params.values())}) "
-                             f"because {u.reason}; {held:,} B/rank")
-        for tail, why in self.plan.unfused.items():
-            lines.append(f"  attention through {tail} not fused (its projections rotate one by "
-                         f"one) because {why}")
-        unused = [n for n in self.plan.params if self.plan.strategy(n) == "unused"]
-        if unused:
-            lines.append(f"  unused parameters (sharded, never read): {', '.join(unused)}")
-        return "\n".join(lines)
+        return report(self.ctx)
 
     def __repr__(self) -> str:
         return f"{self.report()}\n\n{self.plan}"

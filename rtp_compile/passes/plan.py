@@ -20,8 +20,8 @@ import torch.fx as fx
 from rtp_compile.core.ir import Split, UnitKind, target_name
 from rtp_compile.core.layout import ParamLayout
 from rtp_compile.core.op_rules import OpCall
-from rtp_compile.passes.match import (chain_input, dtype_inputs, match_op, parameter_reads,
-                                      why_not_sharded)
+from rtp_compile.passes.chains import chain_input, dtype_inputs
+from rtp_compile.passes.match import match_op, parameter_reads, why_not_sharded
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
 from rtp_compile.core.tables import format_table
 

@@ -33,7 +33,7 @@ from rtp_compile.core.ir import (LABEL_KEY, Action, NodeLabel, UnitKind, bucket_
                                  unit_autograd, unit_combine, unit_step)
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
 from rtp_compile.passes.rotate import parameters_read_only_by_units
-from rtp_compile.runtime import ring  # also registers torch.ops.rtp.*
+from rtp_compile.runtime import packing, ring  # noqa: F401 (ring registers torch.ops.rtp.*)
 from rtp_compile.runtime.events import Event, UnitSchedule
 from rtp_compile.core.graph_ops import expect_dtype
 
@@ -112,7 +112,7 @@ class LabellingTracer(fx.proxy.GraphAppendingTracer):
 
 def _message(specs, tag: int) -> dict:
     """What a hop sends: its tag, the flat message's dtype and bytes (for inspection)."""
-    dtype, total, _ = ring.flat_layout(specs)
+    dtype, total, _ = packing.flat_layout(specs)
     return {"tag": tag, "dtype": dtype, "bytes": total * dtype.itemsize}
 
 
@@ -256,7 +256,7 @@ def _expand(graph: fx.Graph, members: list[_Member], n: int, tag: int,
                 if k == n - 1:  # the last hop: no buffer waits idle through compute
                     create("call_function", torch.ops.rtp.ring_release.default, (arrival,), {},
                            name=f"{hop}_release")
-                held = [v.node for v in ring.unpack(fx.Proxy(arrival, tracer), specs)]
+                held = [v.node for v in packing.unpack(fx.Proxy(arrival, tracer), specs)]
                 arrived[k], at = {}, 0
                 for m in members:
                     arrived[k][m.unit.name] = held[at:at + len(m.specs)]

@@ -15,7 +15,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from rtp_compile.passes.match import op_key, parameter_reads
+from rtp_compile.passes.chains import op_key
+from rtp_compile.passes.match import parameter_reads
 from rtp_compile.passes.pipeline import InvariantError, graph_pass
 from rtp_compile.core.graph_ops import affine, batch_norm_module
 

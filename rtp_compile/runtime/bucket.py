@@ -20,7 +20,7 @@ import itertools
 import torch
 
 from rtp_compile.core.layout import real_part
-from rtp_compile.runtime import ring, transaction
+from rtp_compile.runtime import packing, ring, transaction
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
 from rtp_compile.runtime.precision import Precision
 from rtp_compile.runtime.registry import Keyed, graph_op, lookup
@@ -55,9 +55,9 @@ class BucketState:
     def fetch_wait(self, step: int) -> None:
         if step in self.fetched:
             return
-        self.fetched[step] = ring.unpack(ring.wait(self.incoming.pop(step)), self.runtime.specs)
+        self.fetched[step] = packing.unpack(ring.wait(self.incoming.pop(step)), self.runtime.specs)
         if step == self.runtime.world_size - 2:  # the last weight hop of the bucket
-            ring.pool.release()
+            packing.pool.release()
 
     def held(self, unit: str, step: int) -> list[torch.Tensor]:
         """The shards unit `unit` holds at backward step `step` (the last: its own)."""
@@ -68,11 +68,11 @@ class BucketState:
         """Views of the real parts of unit `unit`'s gradients of `shard`, to add into."""
         rt = self.runtime
         if self.rows is None:
-            dtype, total, _ = ring.flat_layout(rt.grad_specs)
+            dtype, total, _ = packing.flat_layout(rt.grad_specs)
             self.rows = [self.master[0].new_zeros(total, dtype=dtype)
                          for _ in range(rt.world_size)]
         at = rt.slices[unit]
-        views = ring.unpack(self.rows[shard], rt.grad_specs)[at]
+        views = packing.unpack(self.rows[shard], rt.grad_specs)[at]
         return [real_part(v, lay.dim or 0, lay.slot(shard))
                 for v, lay in zip(views, rt.layouts[at])]
 
@@ -105,7 +105,7 @@ class BucketState:
         # copies others (measured: the bucket's first units' copied), and one view kept would
         # hold the whole message alive besides the copies (a cast to the shards' dtype copies)
         return [g.clone() if g.dtype == lay.dtype else g.to(lay.dtype)
-                for g, lay in zip(ring.unpack(acc, rt.grad_specs), rt.layouts)]
+                for g, lay in zip(packing.unpack(acc, rt.grad_specs), rt.layouts)]
 
 
 KEPT_STATES = 1024

@@ -13,7 +13,7 @@ import torch
 
 from rtp_compile.core.ir import Split
 from rtp_compile.core.op_rules import LinearRule
-from rtp_compile.runtime.units import UnitRuntime
+from rtp_compile.runtime.rotated import UnitRuntime
 
 
 LINEAR = LinearRule()

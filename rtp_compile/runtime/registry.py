@@ -169,3 +169,15 @@ def decode(tensors, ints, floats, kinds) -> list:
         else:
             values.append(None)
     return values
+
+
+def save_values(ctx, values) -> None:
+    """save_for_backward for a mix of tensors and other values (sizes read from the graph)."""
+    ctx.is_tensor = [isinstance(v, torch.Tensor) for v in values]
+    ctx.others = [v for v in values if not isinstance(v, torch.Tensor)]
+    ctx.save_for_backward(*[v for v in values if isinstance(v, torch.Tensor)])
+
+
+def saved_values(ctx) -> list:
+    tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
+    return [next(tensors) if t else next(others) for t in ctx.is_tensor]

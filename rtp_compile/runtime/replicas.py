@@ -25,7 +25,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from rtp_compile.runtime import ring
+from rtp_compile.runtime import groups
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 
@@ -74,7 +74,7 @@ class ReplicaGradReduction:
         parts.append(torch.tensor([float(p.grad is not None) for p in bucket],
                                   dtype=bucket[0].dtype, device=bucket[0].device))
         flat = torch.cat(parts)
-        work = dist.all_reduce(flat, group=ring.resolve_group(self.group_name), async_op=True)
+        work = dist.all_reduce(flat, group=groups.resolve_group(self.group_name), async_op=True)
         self.started.append((work, flat))
 
     def finish(self) -> None:
@@ -84,7 +84,7 @@ class ReplicaGradReduction:
         for index in range(len(self.started), len(self.buckets)):
             self._start(index)
         started, self.started = self.started, []
-        timeout = ring.group_timeout(ring.resolve_group(self.group_name))
+        timeout = groups.group_timeout(groups.resolve_group(self.group_name))
         for work, _ in started:
             try:
                 work.wait(timeout)

@@ -10,7 +10,7 @@ gradient plus the new one (`old.add_(new)`, the sum AccumulateGrad would have ma
 A unit backward that raises (a failed hop, a failed step) rolls back at once (every `.grad` as
 it was, no hop in flight); a backward that raised in the model's own code, where no unit runs,
 is rolled back by the module's next forward. Either way the ring counts as broken (its peers
-may be waiting on this rank) and the next forward re-forms it (`ring.recover`).
+may be waiting on this rank) and the next forward re-forms it (`groups.recover`).
 
 A module with data-parallel replicas (`runtime.replicas`) reduces this backward's gradients
 over them inside the transaction: the reduction begins when it opens, finishes before the commit

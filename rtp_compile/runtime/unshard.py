@@ -15,7 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from rtp_compile.runtime.ring import resolve_group
+from rtp_compile.runtime.groups import resolve_group
 
 
 def _gathered(shard: torch.Tensor, group_name: str) -> list[torch.Tensor]:

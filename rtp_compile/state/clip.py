@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from rtp_compile.state import shard_registry
-from rtp_compile.runtime.ring import job_of
+from rtp_compile.runtime.job import job_of
 from rtp_compile.core.layout import real_part
 from rtp_compile.state.program_state import state_of
-from rtp_compile.runtime import ring
+from rtp_compile.runtime import groups
+from rtp_compile.runtime.job import JobCheck
 
 
 def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
@@ -47,7 +48,7 @@ def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
     if not norm_type > 0:
         raise ValueError(f"rtp_compile.clip_grad_norm_: norm_type must be > 0 or inf, got "
                          f"{norm_type}")
-    if isinstance(getattr(gm, "rtp_job", None), ring.JobCheck):
+    if isinstance(getattr(gm, "rtp_job", None), JobCheck):
         job, layouts = job_of(gm), state_of(gm).layouts
         params = [p for p in gm.parameters() if p.grad is not None]
         parts = [_real_grad(p.grad, layouts[name], job.rank)
@@ -59,7 +60,7 @@ def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
                                           foreach=foreach)
     if world_size > 1:
         norms = [torch.empty_like(local) for _ in range(world_size)]
-        ring.all_gather(norms, local, group_name)
+        groups.all_gather(norms, local, group_name)
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     else:
         total = local

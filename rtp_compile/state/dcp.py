@@ -41,7 +41,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
                                                    TensorStorageMetadata)
 
-from rtp_compile.runtime.ring import job_of
+from rtp_compile.runtime.job import job_of
 from rtp_compile.state.dcp_planners import ShardChunks, ShardLoadPlanner, ShardSavePlanner
 from rtp_compile.state.model_state import computed_state, hooked_native_keys, to_native
 from rtp_compile.state.program_state import ProgramState, state_of

@@ -16,7 +16,7 @@ import weakref
 import torch
 from torch import nn
 
-from rtp_compile.runtime.ring import job_of
+from rtp_compile.runtime.job import job_of
 from rtp_compile.state.full_state import checkpoint_keys
 from rtp_compile.core.layout import ParamLayout
 from rtp_compile.state.model_state import (open_model_checkpoint, skeleton, state_dict_sources,

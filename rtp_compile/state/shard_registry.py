@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from rtp_compile.core.layout import ParamLayout, real_part
-from rtp_compile.runtime import ring
+from rtp_compile.runtime import groups
 
 
 def gather_full(shard: torch.Tensor, layout: ParamLayout, group_name: str) -> torch.Tensor:
@@ -30,7 +30,7 @@ def gather_full(shard: torch.Tensor, layout: ParamLayout, group_name: str) -> to
     if layout.world_size == 1:
         return layout.unshard([shard.clone()])
     shards = [torch.empty_like(shard) for _ in range(layout.world_size)]
-    ring.all_gather(shards, shard, group_name)
+    groups.all_gather(shards, shard, group_name)
     return layout.unshard(shards)
 
 

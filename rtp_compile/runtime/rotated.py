@@ -1,0 +1,264 @@
+"""The autograd of rotation units, as the modules the emitted graphs call.
+
+A rotation unit's forward steps are emitted inline in the rank's graph and compute on detached
+tensors; `RotatedOpRuntime` links their result into autograd. Its backward re-fetches the weight
+shards by counter-clockwise rotation (never saved for backward: only the activation is), runs
+the rule's backward step for each, and lets a gradient accumulator travel with each shard so it
+arrives complete, averaged like DDP's, at the rank that owns it (`collectives.GradientRing`).
+
+So that a compiler can trace a rank's whole module (`torch.compile(gm, fullgraph=True)`), the
+autograd Functions here hold no Python object: each passes its runtime module's key
+(`registry.Keyed`) and what it saved to one custom op per backward, whose implementation finds
+the module and runs it eagerly (the same holds for `gathered` and `small`).
+"""
+from __future__ import annotations
+
+
+import torch
+
+from rtp_compile.core.ir import Action
+from rtp_compile.runtime import packing, ring, transaction
+from rtp_compile.runtime.events import UnitSchedule, backward_shard
+from rtp_compile.runtime.precision import Precision
+from rtp_compile.runtime.collectives import GradientRing
+from rtp_compile.runtime.registry import (Keyed, autograd_in_op, decode, distinct, encode,
+                                          graph_op, laid_out_like, lookup, save_values,
+                                          saved_values)
+
+
+class _UnitGrad(torch.autograd.Function):
+    """Links a unit's result into autograd; saves the activation, the rank's own shards (one per
+    role, `n_own`) and whatever the unit keeps from its forward steps, never a received shard;
+    in a bucket, the `ticket` of the bucket's forward. Backward: `rtp::unit_backward`."""
+
+    @staticmethod
+    def forward(ctx, key, n_own, ticket, y, x, *tensors):
+        ctx.key, ctx.n_own = key, n_own
+        save_values(ctx, (ticket, x, *tensors))  # a fused block's externals may be sizes, not tensors
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        values = saved_values(ctx)
+        ticket, n_own = values[0], ctx.n_own
+        needs = ctx.needs_input_grad
+        # in a bucket the shards' gradients go into the bucket's rows; the ticket's gradient
+        # (zero) makes the bucket's backward wait for every unit's
+        need_dx, own_needs = needs[4], needs[5:5 + n_own]
+        grads = iter(unit_backward(ctx.key, dy, *encode(values), need_dx, any(own_needs)))
+        d_ticket = next(grads) if ticket is not None else None
+        dx = next(grads) if need_dx else None
+        own = [next(grads) if any(own_needs) and ticket is None else None for _ in own_needs]
+        return (None, None, d_ticket, None, dx,
+                *[g if need else None for g, need in zip(own, own_needs)],
+                *[None] * (len(values) - 2 - n_own))
+
+
+class UnitRuntime(Keyed):
+    """Runtime of one unit on one rank: executes the backward events its schedule hands it
+    (weights re-fetched from rank+1, gradient accumulators passed to rank-1; in a bucket, both
+    through the bucket's state, `runtime.bucket`); subclasses say what one step computes."""
+
+    bucket = None  # the BucketRuntime of the unit's bucket, if it is in one
+
+    def __init__(self, name, roles, layouts, rank, world_size, group_name,
+                 schedule: UnitSchedule, grad_scale, precision: Precision):
+        super().__init__()
+        self.unit_name, self.roles, self.layouts = name, list(roles), layouts
+        self.rank, self.world_size, self.group_name = rank, world_size, group_name
+        self.schedule, self.grad_scale, self.precision = schedule, grad_scale, precision
+        self.compute_dtype = precision.compute(layouts[0].dtype)
+        self.reduce_dtype = precision.reduce(layouts[0].dtype)
+        self.shapes = {r: lay.shape for r, lay in zip(self.roles, layouts)}
+        self.slots = [{r: lay.slot(s) for r, lay in zip(self.roles, layouts)}
+                      for s in range(world_size)]  # per shard: where each role's part lies
+        self.register(name)
+
+    def forward(self, y, x, *tensors, ticket=None):
+        """y: the combined step outputs (computed outside autograd); then this rank's own
+        shards, one per role, then what the steps saved for backward; `ticket`: in a bucket,
+        the bucket's forward (`BucketRuntime`)."""
+        if not torch.is_grad_enabled():
+            return y
+        return _UnitGrad.apply(self.rtp_key, len(self.roles), ticket, y, x, *tensors)
+
+    @transaction.transactional
+    def backward_op(self, dy, values, need_dx: bool, need_dw: bool) -> list[torch.Tensor]:
+        """`rtp::unit_backward`: the ticket's gradient (in a bucket), dx (if needed), the own
+        shards' gradients (if needed, outside a bucket)."""
+        ticket, x, *rest = values
+        n_own = len(self.roles)  # one own shard per role, then what the steps saved
+        own, saved = [p.detach() for p in rest[:n_own]], rest[n_own:]
+        bucket = None if ticket is None else self.bucket.state(ticket)
+        dx, grads = self.backward(dy, x, own, saved, need_dx, need_dw, bucket)
+        out = [] if ticket is None else [torch.zeros_like(ticket)]
+        return distinct(out + ([dx] if need_dx else []) + (grads or []), [dy, *values])
+
+    def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
+        """This step's part of dx (added into `dx`, None when not needed). `scratch` is a dict
+        that lives for one step (from its input grad to its weight grad), for what both step
+        functions need."""
+        raise NotImplementedError
+
+    def step_weight_grads(self, shard, dy, x, shards, slots, saved, into, scratch):
+        """This rank's gradient of each shard's real part, added into `into[role]`."""
+        raise NotImplementedError
+
+    def backward(self, dy, x, own, saved, need_dx: bool, need_dw: bool, bucket=None):
+        """dx and this rank's (averaged) shard gradients, by the unit's backward events; in a
+        bucket (`bucket`: the forward's BucketState) the gradients go into the bucket's rows
+        and the unit returns none."""
+        n, where = self.world_size, f"{self.unit_name} backward"
+        dx = torch.zeros_like(x) if need_dx else None
+        own = self.precision.to_compute(own)  # cast once: the weights rotate in it
+        if bucket is not None:
+            fetch = _BucketFetch(bucket, self.unit_name)
+            grads = _BucketGrads(bucket, self.unit_name) if need_dw else None
+        else:
+            fetch = _UnitFetch(own, self.group_name, where)
+            grads = GradientRing(self.layouts, self.group_name, where, own[0],
+                                 self.reduce_dtype) if need_dw else None
+        scratches = {}
+        for event in self.schedule.backward:
+            j, action = event.step, event.action
+            shards = None  # a step's views go when it is done: the pool reuses their buffer
+            scratch = scratches.setdefault(j, {})
+            s = backward_shard(self.rank, j, n)
+            slots = self.slots[s]
+            if action == Action.FETCH_START:
+                fetch.start(j, event.tag)
+            elif action == Action.FETCH_WAIT:
+                fetch.wait(j)
+            elif action == Action.RELEASE:
+                packing.pool.release()
+            elif action == Action.DONE:
+                fetch.done()
+            elif action == Action.INPUT_GRAD:
+                shards = dict(zip(self.roles, own if j == n - 1 else fetch.held(j)))
+                self.step_input_grad(s, dy, x, shards, slots, saved, dx, scratch)
+            elif action == Action.RECEIVE_GRAD and need_dw:
+                grads.receive()
+            elif action == Action.WEIGHT_GRAD:
+                if need_dw:
+                    shards = dict(zip(self.roles, own if j == n - 1 else fetch.held(j)))
+                    self._add_weight_grads(s, dy, x, shards, slots, saved,
+                                           dict(zip(self.roles, grads.real_parts(s))), scratch)
+                del scratches[j]  # the step is done
+            elif action == Action.PASS and need_dw:
+                grads.pass_on(j, event.tag)
+        return dx, grads.result(self.grad_scale) if need_dw else None
+
+    def _add_weight_grads(self, shard, dy, x, shards, slots, saved, into, scratch):
+        """`step_weight_grads` into the accumulators `into`; under mixed precision computed in
+        the compute dtype, as autograd would, then added into the reduce-dtype accumulators."""
+        if self.compute_dtype == self.reduce_dtype:
+            return self.step_weight_grads(shard, dy, x, shards, slots, saved, into, scratch)
+        local = {r: torch.zeros_like(a, dtype=self.compute_dtype) for r, a in into.items()}
+        self.step_weight_grads(shard, dy, x, shards, slots, saved, local, scratch)
+        for r, a in into.items():
+            a.add_(local[r])
+
+
+class _UnitFetch:
+    """A unit's own weight fetches: each hop sends on what the one before brought."""
+
+    def __init__(self, own, group_name, where):
+        self.own, self.group_name, self.where = own, group_name, where
+        self.current, self.incoming = own, None
+
+    def start(self, step, tag):
+        self.incoming = ring.shift_start(self.current, self.group_name, -1, tag,
+                                         f"{self.where}: weight hop {step}")
+
+    def wait(self, step):
+        self.current = packing.unpack(ring.wait(self.incoming), packing.specs_of(self.own))
+
+    def held(self, step):
+        return self.current
+
+    def done(self):
+        pass
+
+
+class _BucketFetch:
+    """The weight fetches of a unit in a bucket: the bucket's, done once for all its units."""
+
+    def __init__(self, state, unit):
+        self.state, self.unit = state, unit
+
+    def start(self, step, tag):
+        self.state.fetch_start(step, tag)
+
+    def wait(self, step):
+        self.state.fetch_wait(step)
+
+    def held(self, step):
+        return self.state.held(self.unit, step)
+
+    def done(self):
+        self.state.unit_done(self.unit)
+
+
+class _BucketGrads:
+    """A unit's gradients in a bucket: added into the bucket's rows, returned by its
+    reduce-scatter, not by the unit."""
+
+    def __init__(self, state, unit):
+        self.state, self.unit = state, unit
+
+    def real_parts(self, shard):
+        return self.state.grad_parts(self.unit, shard)
+
+    def result(self, scale):
+        return None
+
+
+class RotatedOpRuntime(UnitRuntime):
+    """One rotated op: its rule's step backward, nothing saved but the activation (and the
+    values its parameter chain reads, such as a dtype: `saved`)."""
+
+    def __init__(self, name, call, mode, layouts, rank, world_size, group_name, schedule,
+                 grad_scale, precision):
+        super().__init__(name, call.params, layouts, rank, world_size, group_name, schedule,
+                         grad_scale, precision)
+        self.rule, self.mode, self.call = call.rule, mode, call
+
+    def extra_repr(self) -> str:
+        dims = ", ".join(f"{r}: dim {lay.dim}" for r, lay in zip(self.roles, self.layouts))
+        return f"{self.rule.name} {self.mode} ({dims}), rank {self.rank} of {self.world_size}"
+
+    def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
+        if dx is not None:
+            self.rule.input_grad(self.mode, self.call.run_options(saved), dy, x, shards, slots,
+                                 self.shapes, dx)
+
+    def step_weight_grads(self, shard, dy, x, shards, slots, saved, into, scratch):
+        self.rule.weight_grads(self.mode, self.call.run_options(saved), dy, x, shards, slots,
+                               self.shapes, into)
+
+
+@graph_op("unit_backward")
+def unit_backward(key: str, dy: torch.Tensor, tensors: list[torch.Tensor], ints: list[int],
+                  floats: list[float], kinds: list[int], need_dx: bool,
+                  need_dw: bool) -> list[torch.Tensor]:
+    """Graph op: the backward of the unit registered under `key`, on what its forward saved
+    (`registry.encode`d): the ticket's gradient (in a bucket), dx, the own shards' gradients."""
+    values = decode(tensors, ints, floats, kinds)
+    with autograd_in_op():  # a fused block's backward differentiates its region
+        grads = lookup(key).backward_op(dy, values, need_dx, need_dw)
+    return laid_out_like(grads, _unit_grad_refs(key, values, need_dx, need_dw))
+
+
+def _unit_grad_refs(key, values, need_dx, need_dw) -> list[torch.Tensor]:
+    """What `unit_backward` returns the gradients of: the ticket (in a bucket), x if
+    `need_dx`, the own shards if `need_dw` (outside a bucket)."""
+    ticket, x, *rest = values
+    own = rest[:len(lookup(key).roles)]
+    return ([] if ticket is None else [ticket]) + ([x] if need_dx else []) + \
+        (own if need_dw and ticket is None else [])
+
+
+@unit_backward.op.register_fake
+def _(key, dy, tensors, ints, floats, kinds, need_dx, need_dw):
+    return [torch.empty_like(t) for t in _unit_grad_refs(key, decode(tensors, ints, floats, kinds),
+                                                          need_dx, need_dw)]
