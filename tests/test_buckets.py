@@ -8,7 +8,7 @@ import rtp_compile
 from jobs import (accumulate_like_ddp, bucket_buffers, bucket_parity, no_grad_then_train,
                   two_forwards_then_backward)
 from rtp_compile.passes import PIPELINE
-from rtp_compile.passes.pipeline import InvariantError, run_pipeline
+from rtp_compile.passes.manager.pipeline import InvariantError, run_pipeline
 from zoo import build
 
 ALL = 1 << 40  # one bucket for every run of units that may share one

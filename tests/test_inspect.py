@@ -14,7 +14,7 @@ import rtp_compile
 from rtp_compile.apps.cli import main
 from rtp_compile.inspect.draw import _palette, layered, schedule_graph
 from rtp_compile.apps.models import GPTConfig, TinyGPT
-from rtp_compile.passes.pipeline import pass_table
+from rtp_compile.passes.manager.pipeline import pass_table
 from rtp_compile.apps.models import lm_step
 from rtp_compile.inspect.traces import STEP
 

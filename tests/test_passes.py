@@ -10,9 +10,9 @@ from rtp_compile.capture.trace import capture
 from rtp_compile.core.ir import unit_of
 from rtp_compile.core.op_rules import RULES, External, Step
 from rtp_compile.passes.lower_modules import lower_modules
-from rtp_compile.passes.match import match_op, parameter_reads
+from rtp_compile.passes.analysis.match import match_op, parameter_reads
 from rtp_compile.core.layout import ParamLayout
-from rtp_compile.passes.context import Context, Options
+from rtp_compile.passes.manager.context import Context, Options
 from rtp_compile.passes.split_norm_affine import split_norm_affine
 from zoo import build, tiny_gpt
 

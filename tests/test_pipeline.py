@@ -10,7 +10,7 @@ import rtp_compile
 from jobs import parity_without
 from rtp_compile.core.ir import label_of
 from rtp_compile.passes import PIPELINE
-from rtp_compile.passes.pipeline import InvariantError
+from rtp_compile.passes.manager.pipeline import InvariantError
 from zoo import build
 
 OPTIONAL = ["lower_modules", "fold_parameter_metadata", "split_norm_affine", "fuse_blocks",
@@ -113,3 +113,23 @@ def test_plan_invariant_catches_a_parameter_without_a_layout():
     del prog.ctx.plan.params["bias"]
     with pytest.raises(InvariantError, match="exactly the model's parameters"):
         PIPELINE[3].check(gm, prog.ctx)
+
+
+def test_planning_passes_are_marked_and_one_that_changes_the_graph_is_caught(monkeypatch):
+    """plan_sharding, fuse_blocks, gather_small_params and bucket_units only write the plan;
+    the runner refuses a planning pass that touched a node."""
+    assert [p.__name__ for p in PIPELINE if p.plans_only] == [
+        "plan_sharding", "fuse_blocks", "gather_small_params", "bucket_units"]
+    import rtp_compile.passes as passes
+    from rtp_compile.passes.manager.pipeline import graph_pass
+
+    @graph_pass(check=lambda gm, ctx: None, plans_only=True)
+    def sneaky(gm, ctx):
+        x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        with gm.graph.inserting_after(x):
+            gm.graph.call_function(torch.relu, (x,))
+        return gm
+
+    monkeypatch.setattr(passes, "PIPELINE", [*PIPELINE[:3], sneaky, *PIPELINE[3:]])
+    with pytest.raises(InvariantError, match="sneaky is a planning pass but changed the graph"):
+        rtp_compile.transform(build("mlp", 0), 2)

@@ -19,7 +19,7 @@ from torch import nn
 
 from rtp_compile.capture.activation_checkpoints import outline_checkpoints
 from rtp_compile.core.op_rules import Combine
-from rtp_compile.passes.context import Context
+from rtp_compile.passes.manager.context import Context
 from rtp_compile.core.ir import (Action, CombineMode, NodeLabel, Split, UnitKind, bucket_params,
                                 gathered_op, gathered_small, unit_autograd, unit_combine,
                                 unit_step)

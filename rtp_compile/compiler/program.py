@@ -16,7 +16,7 @@ from rtp_compile.compiler.report import report
 from rtp_compile.cost.model import rtp_cost
 from rtp_compile.cost.profile import profile_of
 from rtp_compile.passes import compile_graph
-from rtp_compile.passes.context import Context, Options
+from rtp_compile.passes.manager.context import Context, Options
 from rtp_compile.passes.plan import Plan
 from rtp_compile.core.retarget_meta import retarget_meta
 from rtp_compile.state.program_state import ProgramState, bind_state

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from rtp_compile.core.ir import UnitKind
-from rtp_compile.passes.context import Context
+from rtp_compile.passes.manager.context import Context
 
 
 def report(ctx: Context) -> str:

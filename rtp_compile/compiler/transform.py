@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from rtp_compile.passes.context import Options
+from rtp_compile.passes.manager.context import Options
 from rtp_compile.compiler.program import RTPProgram, compile_program
 
 

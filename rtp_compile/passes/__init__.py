@@ -1,8 +1,14 @@
-"""Graph -> graph passes of rtp_compile: `PIPELINE`, the passes in the order they run.
+"""The passes of rtp_compile: `PIPELINE`, in the order they run.
 
 Each pass is `(gm, ctx) -> gm` with one job and the invariant its docstring states, checked
-after it runs (`passes.pipeline`); `transform(..., disable=[names])` skips optional ones and
-`transform(..., debug=True)` logs and keeps each one's graph diff (`prog.pass_log`).
+after it runs (`passes.manager.pipeline`). Graph passes rewrite the graph; planning passes
+(plan_sharding, fuse_blocks, gather_small_params, bucket_units) only write the plan in `ctx`
+and leave every node as it was, which the pipeline checks. `transform(..., disable=[names])`
+skips optional ones and `transform(..., debug=True)` logs and keeps each one's graph diff
+(`prog.pass_log`). The graph analyses they share are in `passes.analysis`, the context and the
+runner in `passes.manager`.
+
+May import: `passes.analysis`, `passes.manager`, `runtime`, `core`.
 """
 from rtp_compile.passes.bucket import bucket_units
 from rtp_compile.passes.cast_precision import cast_precision
@@ -10,7 +16,7 @@ from rtp_compile.passes.fold_parameter_metadata import fold_parameter_metadata
 from rtp_compile.passes.fuse import fuse_blocks
 from rtp_compile.passes.gather_small import gather_small_params
 from rtp_compile.passes.lower_modules import lower_modules
-from rtp_compile.passes.pipeline import run_pipeline
+from rtp_compile.passes.manager.pipeline import run_pipeline
 from rtp_compile.passes.plan import plan_sharding
 from rtp_compile.passes.rotate import rotate
 from rtp_compile.passes.schedule import schedule

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from rtp_compile.core.ir import checkpoint_region, fused_block, rotated_op
-from rtp_compile.passes.pipeline import InvariantError, graph_pass
+from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
 
 
 def bucket_message_bytes(plan, units) -> int:
@@ -94,7 +94,7 @@ def _check(gm: fx.GraphModule, ctx) -> None:
             raise InvariantError(f"bucket {name} holds {held} bytes, over bucket_bytes {budget}")
 
 
-@graph_pass(check=_check)
+@graph_pass(check=_check, plans_only=True)
 def bucket_units(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Group consecutive rotated and fused units, greedily in graph order, into
     `ctx.buckets` (name -> unit names) while what a bucket holds fits `bucket_bytes` and

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from rtp_compile.passes.pipeline import InvariantError, graph_pass
+from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
 from rtp_compile.core.graph_ops import cast_floating
 
 

@@ -15,7 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from rtp_compile.passes.pipeline import InvariantError, graph_pass
+from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
 
 _ATTRIBUTES = {"shape", "dtype", "device", "ndim", "is_cuda", "layout"}
 _METHODS = {"size", "dim", "ndimension", "numel"}

@@ -29,9 +29,9 @@ import torch
 import torch.fx as fx
 
 from rtp_compile.core.ir import RewriteKind, Split, UnitKind
-from rtp_compile.passes.cut_axis import CutWalk, NotExact, Rewrite, is_attention, op_kind
-from rtp_compile.passes.match import parameter_reads
-from rtp_compile.passes.pipeline import graph_pass
+from rtp_compile.passes.analysis.cut_axis import CutWalk, NotExact, Rewrite, is_attention, op_kind
+from rtp_compile.passes.analysis.match import parameter_reads
+from rtp_compile.passes.manager.pipeline import graph_pass
 from rtp_compile.passes.plan import Plan, Unit, check_plan, unique_name
 from rtp_compile.core.subgraph import extract_graph
 from rtp_compile.core.graph_ops import head_slice
@@ -172,7 +172,7 @@ class BlockFinder:
         return walk
 
 
-@graph_pass(check=check_plan)
+@graph_pass(check=check_plan, plans_only=True)
 def fuse_blocks(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Merge, in `ctx.plan`, every exact column-split -> region -> linear block into one fused
     unit; record why each attention block that is not fused is not (the graph is unchanged).

@@ -20,7 +20,7 @@ import math
 import torch.fx as fx
 
 from rtp_compile.core.ir import UnitKind
-from rtp_compile.passes.pipeline import InvariantError, graph_pass
+from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
 from rtp_compile.passes.plan import check_plan
 
 REASON = "small: gathered once per step with the other small parameters"
@@ -43,7 +43,7 @@ def unit_bytes(plan, unit) -> int:
                for p in unit.params.values())
 
 
-@graph_pass(check=_check)
+@graph_pass(check=_check, plans_only=True)
 def gather_small_params(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Mark, in `ctx.plan`, the elementwise units of at most `small_param_bytes` as small."""
     plan, limit = ctx.plan, ctx.options.small_param_bytes

@@ -20,8 +20,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from rtp_compile.passes.match import canonical_reads
-from rtp_compile.passes.pipeline import InvariantError, graph_pass
+from rtp_compile.passes.analysis.match import canonical_reads
+from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
 from rtp_compile.core.graph_ops import batch_norm_module
 
 

@@ -20,9 +20,9 @@ import torch.fx as fx
 from rtp_compile.core.ir import Split, UnitKind, target_name
 from rtp_compile.core.layout import ParamLayout
 from rtp_compile.core.op_rules import OpCall
-from rtp_compile.passes.chains import chain_input, dtype_inputs
-from rtp_compile.passes.match import match_op, parameter_reads, why_not_sharded
-from rtp_compile.passes.pipeline import InvariantError, graph_pass
+from rtp_compile.passes.analysis.chains import chain_input, dtype_inputs
+from rtp_compile.passes.analysis.match import match_op, parameter_reads, why_not_sharded
+from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
 from rtp_compile.core.tables import format_table
 
 
@@ -133,7 +133,7 @@ def check_plan(gm: fx.GraphModule, ctx) -> None:
         raise InvariantError("a parameter belongs to two fused blocks")
 
 
-@graph_pass(check=check_plan, required=True)
+@graph_pass(check=check_plan, required=True, plans_only=True)
 def plan_sharding(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Write into `ctx.plan` a layout for every parameter and a unit for every weight-bearing
     node (the graph is unchanged)."""

@@ -24,10 +24,10 @@ import torch.fx as fx
 from rtp_compile.core.ir import (NodeLabel, UnitKind, fused_block, gathered_op, gathered_small,
                                 label_of, rotated_op, set_label, unit_of)
 from rtp_compile.passes.fuse import region_body
-from rtp_compile.passes.pipeline import InvariantError, graph_pass
+from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
 from rtp_compile.passes.plan import consumer_closure, parameter_only_nodes
 from rtp_compile.core.subgraph import extract_graph
-from rtp_compile.passes.match import parameter_reads
+from rtp_compile.passes.analysis.match import parameter_reads
 
 
 def _meta_copy(value):

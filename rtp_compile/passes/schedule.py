@@ -31,7 +31,7 @@ import torch.fx as fx
 from rtp_compile.core.ir import (LABEL_KEY, Action, NodeLabel, UnitKind, bucket_params,
                                  checkpoint_region, fused_block, label_of, rotated_op, set_label,
                                  unit_autograd, unit_combine, unit_step)
-from rtp_compile.passes.pipeline import InvariantError, graph_pass
+from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
 from rtp_compile.passes.rotate import parameters_read_only_by_units
 from rtp_compile.runtime import packing, ring  # noqa: F401 (ring registers torch.ops.rtp.*)
 from rtp_compile.runtime.events import Event, UnitSchedule

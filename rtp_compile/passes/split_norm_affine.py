@@ -15,9 +15,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from rtp_compile.passes.chains import op_key
-from rtp_compile.passes.match import parameter_reads
-from rtp_compile.passes.pipeline import InvariantError, graph_pass
+from rtp_compile.passes.analysis.chains import op_key
+from rtp_compile.passes.analysis.match import parameter_reads
+from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
 from rtp_compile.core.graph_ops import affine, batch_norm_module
 
 aten = torch.ops.aten

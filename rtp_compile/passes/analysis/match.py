@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from rtp_compile.core.ir import target_name
 from rtp_compile.core.op_rules import RULES, OpCall
-from rtp_compile.passes.chains import Unshardable, chain_break, describe, op_key, parameter_chain
-from rtp_compile.passes.pipeline import InvariantError
+from rtp_compile.passes.analysis.chains import Unshardable, chain_break, describe, op_key, parameter_chain
+from rtp_compile.passes.manager.pipeline import InvariantError
 from rtp_compile.core.graph_ops import affine
 
 aten = torch.ops.aten

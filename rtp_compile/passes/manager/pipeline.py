@@ -4,7 +4,8 @@ after it, what it changed recorded.
 A pass is a plain function marked with `graph_pass(check=...)`: `check(gm, ctx)` raises
 `InvariantError` when the graph or context it left breaks the invariant its docstring states
 (cheap, always run). `required=True` marks a pass the program cannot do without (it cannot be
-disabled). Every pass leaves a `PassRecord` in `ctx.pass_log`: op counts before and after, the
+disabled); `plans_only=True` a planning pass, which only writes the plan in the context: the
+runner checks that it left every node as it was. Every pass leaves a `PassRecord` in `ctx.pass_log`: op counts before and after, the
 nodes it added and removed; with `Options.debug` it is also logged at INFO through
 `logging.getLogger("rtp_compile")` and keeps the graph's code before and after (`.diff()`).
 """
@@ -28,10 +29,12 @@ class InvariantError(AssertionError):
     """A pass left a graph or context that breaks its stated invariant (a compiler bug)."""
 
 
-def graph_pass(*, check, required: bool = False):
-    """Mark `fn(gm, ctx) -> gm` as a pass with its invariant `check(gm, ctx)`."""
+def graph_pass(*, check, required: bool = False, plans_only: bool = False):
+    """Mark `fn(gm, ctx) -> gm` as a pass with its invariant `check(gm, ctx)`; `plans_only`:
+    a planning pass, which writes the plan in `ctx` and leaves the graph as it was (the
+    pipeline checks that too)."""
     def mark(fn):
-        fn.check, fn.required = check, required
+        fn.check, fn.required, fn.plans_only = check, required, plans_only
         return fn
     return mark
 
@@ -132,6 +135,8 @@ def run_pipeline(passes, gm: fx.GraphModule, ctx) -> fx.GraphModule:
             gm = p(gm, ctx)
             p.check(gm, ctx)
             after, after_names = _census(gm)
+            if p.plans_only and (after, after_names) != (before, before_names):
+                raise InvariantError(f"{p.__name__} is a planning pass but changed the graph")
             record = PassRecord(p.__name__, before, after, sorted(after_names - before_names),
                                 sorted(before_names - after_names), code_before=code,
                                 code_after=gm.code if debug else None)

@@ -19,7 +19,7 @@ from rtp_compile.core.checks import check_world_size
 from rtp_compile.runtime.precision import Precision
 
 if TYPE_CHECKING:
-    from rtp_compile.passes.pipeline import PassRecord
+    from rtp_compile.passes.manager.pipeline import PassRecord
     from rtp_compile.passes.plan import Plan
     from rtp_compile.runtime.events import UnitSchedule
 
