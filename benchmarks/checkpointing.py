@@ -8,6 +8,7 @@ the rank's program, so its peak falls as DDP's does.
 
     python benchmarks/checkpointing.py
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,25 +49,50 @@ def measure(rank: int, world_size: int) -> dict:
     for checkpointed in (False, True):
         for kind in ("DDP", "RTP"):
             m = model(checkpointed)
-            m = torch.nn.parallel.DistributedDataParallel(m) if kind == "DDP" else \
-                transform(m, world_size).module(rank)
+            m = (
+                torch.nn.parallel.DistributedDataParallel(m)
+                if kind == "DDP"
+                else transform(m, world_size).module(rank)
+            )
             peak, _, _ = tracked_step(m, CONFIG.vocab_size, CONFIG.block_size, BATCH, rank)
             out[(kind, checkpointed)] = peak
     return out
 
 
 def main() -> list[tuple]:
-    print(f"TinyGPT {CONFIG.n_layer} x {CONFIG.n_embd}, vocab {CONFIG.vocab_size}, per-rank "
-          f"batch {BATCH} x {CONFIG.block_size}; MB at the step's peak, rank 0, MemTracker")
-    rows = [("N", "kind", "checkpointed", "params", "grads", "optimizer", "activations",
-             "temporaries", "peak", "peak / unchecked")]
+    print(
+        f"TinyGPT {CONFIG.n_layer} x {CONFIG.n_embd}, vocab {CONFIG.vocab_size}, per-rank "
+        f"batch {BATCH} x {CONFIG.block_size}; MB at the step's peak, rank 0, MemTracker"
+    )
+    rows = [
+        (
+            "N",
+            "kind",
+            "checkpointed",
+            "params",
+            "grads",
+            "optimizer",
+            "activations",
+            "temporaries",
+            "peak",
+            "peak / unchecked",
+        )
+    ]
     for world_size in WORLD_SIZES:
         peaks = launch(measure, world_size, timeout=900)[0]
         for (kind, checkpointed), peak in peaks.items():
-            rows.append((world_size, kind, "yes" if checkpointed else "no",
-                         *[f"{peak.get(c, 0) / 1e6:.2f}" for c in ("PARAM", "GRAD", "OPT", "ACT",
-                                                                  "TEMP", "Total")],
-                         f"{peak['Total'] / peaks[(kind, False)]['Total']:.2f}"))
+            rows.append(
+                (
+                    world_size,
+                    kind,
+                    "yes" if checkpointed else "no",
+                    *[
+                        f"{peak.get(c, 0) / 1e6:.2f}"
+                        for c in ("PARAM", "GRAD", "OPT", "ACT", "TEMP", "Total")
+                    ],
+                    f"{peak['Total'] / peaks[(kind, False)]['Total']:.2f}",
+                )
+            )
     print(format_table(rows))
     return rows
 

@@ -11,6 +11,7 @@ median of the per-round ratios compiled / eager; and the compile time of the fir
     python benchmarks/compiled_rank.py [--preset gpt-small] [--world-sizes 2] [--rounds 4]
                                        [--steps 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,10 +51,13 @@ def measure(rank: int, world_size: int, preset: str, rounds: int, steps: int) ->
     first = {k: step(k) for k in KINDS}  # warm-up: optimizer state; compilation
     times = {k: [] for k in KINDS}
     for r in range(rounds):
-        for kind in KINDS[r % 2:] + KINDS[:r % 2]:
+        for kind in KINDS[r % 2 :] + KINDS[: r % 2]:
             times[kind].append([step(kind) for _ in range(steps)])
-    return {"first": first, "rounds": {k: [statistics.median(t) for t in times[k]] for k in KINDS},
-            "all": {k: [s for t in times[k] for s in t] for k in KINDS}}
+    return {
+        "first": first,
+        "rounds": {k: [statistics.median(t) for t in times[k]] for k in KINDS},
+        "all": {k: [s for t in times[k] for s in t] for k in KINDS},
+    }
 
 
 def main(argv=None) -> list[tuple]:
@@ -66,18 +70,30 @@ def main(argv=None) -> list[tuple]:
     config, batch, seq_len = PRESETS[args.preset]
     rows = [("N", "rank", "eager ms", "compiled ms", "compiled / eager", "first call s")]
     for n in args.world_sizes:
-        ranks = rtp_compile.launch(measure, n, args=(args.preset, args.rounds, args.steps),
-                                   timeout=1800)
+        ranks = rtp_compile.launch(
+            measure, n, args=(args.preset, args.rounds, args.steps), timeout=1800
+        )
         for rank, r in enumerate(ranks):
             eager, compiled = (statistics.median(r["all"][k]) for k in KINDS)
-            ratio = statistics.median(c / e for c, e in zip(r["rounds"]["compiled"],
-                                                            r["rounds"]["eager"]))
-            rows.append((n, rank, f"{eager * 1e3:.1f}", f"{compiled * 1e3:.1f}", f"{ratio:.2f}",
-                         f"{r['first']['compiled']:.1f}"))
-    print(f"{args.preset}: {config.n_layer} layers x {config.n_embd} wide, vocab "
-          f"{config.vocab_size}, {batch} x {seq_len} tokens per rank, AdamW; {args.rounds} "
-          f"interleaved rounds of {args.steps} steps; compiled: torch.compile(prog.module(rank), "
-          f"fullgraph=True), inductor")
+            ratio = statistics.median(
+                c / e for c, e in zip(r["rounds"]["compiled"], r["rounds"]["eager"])
+            )
+            rows.append(
+                (
+                    n,
+                    rank,
+                    f"{eager * 1e3:.1f}",
+                    f"{compiled * 1e3:.1f}",
+                    f"{ratio:.2f}",
+                    f"{r['first']['compiled']:.1f}",
+                )
+            )
+    print(
+        f"{args.preset}: {config.n_layer} layers x {config.n_embd} wide, vocab "
+        f"{config.vocab_size}, {batch} x {seq_len} tokens per rank, AdamW; {args.rounds} "
+        f"interleaved rounds of {args.steps} steps; compiled: torch.compile(prog.module(rank), "
+        f"fullgraph=True), inductor"
+    )
     print(format_table(rows))
     return rows
 

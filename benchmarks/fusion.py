@@ -9,6 +9,7 @@ median step time. Prints a table, saves a plot.
 
     python benchmarks/fusion.py [--steps 8] [--out benchmarks/out]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,8 @@ from torch import nn
 
 import rtp_compile
 from rtp_compile.apps.models import GPTConfig, TinyGPT, lm_loss
-from rtp_compile.runtime import ring
 from rtp_compile.core.tables import format_table
+from rtp_compile.runtime import ring
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 BATCH = 8
@@ -42,8 +43,10 @@ class SeparateQKVAttention(nn.Module):
 
     def forward(self, x):
         B, T, _ = x.shape
-        q, k, v = (f(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-                   for f in (self.q, self.k, self.v))
+        q, k, v = (
+            f(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+            for f in (self.q, self.k, self.v)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -88,8 +91,11 @@ def measure(rank: int, world_size: int, model: str, fuse: bool, steps: int) -> d
             ring.traffic.update(hops=0, bytes=0)
             with CatBytes() as cat:
                 lm_loss(gm(idx[:, :-1]), idx[:, 1:]).backward()
-            counted = {"hops": ring.traffic["hops"], "ring_bytes": ring.traffic["bytes"],
-                       "cat_bytes": cat.bytes}
+            counted = {
+                "hops": ring.traffic["hops"],
+                "ring_bytes": ring.traffic["bytes"],
+                "cat_bytes": cat.bytes,
+            }
         else:
             start = time.perf_counter()
             lm_loss(gm(idx[:, :-1]), idx[:, 1:]).backward()
@@ -99,8 +105,13 @@ def measure(rank: int, world_size: int, model: str, fuse: bool, steps: int) -> d
                 times.append(time.perf_counter() - start)
     units = [u.kind for u in prog.plan.units]
     attention = sum(u.kind == "fused" and u.fusion.attention for u in prog.plan.units)
-    return {**counted, "step_s": statistics.median(times), "fused_blocks": units.count("fused"),
-            "fused_attention": attention, "units": len(units)}
+    return {
+        **counted,
+        "step_s": statistics.median(times),
+        "fused_blocks": units.count("fused"),
+        "fused_attention": attention,
+        "units": len(units),
+    }
 
 
 def main(argv=None):
@@ -114,41 +125,63 @@ def main(argv=None):
     for world_size in (2, 4):
         for model in MODELS:
             for fuse in (False, True):
-                r = rtp_compile.launch(here.measure, world_size,
-                                       args=(model, fuse, args.steps), timeout=600)[0]
+                r = rtp_compile.launch(
+                    here.measure, world_size, args=(model, fuse, args.steps), timeout=600
+                )[0]
                 rows.append({"N": world_size, "model": model, "fuse": fuse, **r})
-    table = [("N", "model", "fused", "attention", "units", "ring hops", "ring MB", "cat MB",
-              "step ms")]
+    table = [
+        ("N", "model", "fused", "attention", "units", "ring hops", "ring MB", "cat MB", "step ms")
+    ]
     for r in rows:
-        table.append((r["N"], r["model"], r["fused_blocks"] if r["fuse"] else "-",
-                      r["fused_attention"] if r["fuse"] else "-", r["units"], r["hops"],
-                      f"{r['ring_bytes'] / 1e6:.2f}", f"{r['cat_bytes'] / 1e6:.2f}",
-                      f"{r['step_s'] * 1e3:.1f}"))
+        table.append(
+            (
+                r["N"],
+                r["model"],
+                r["fused_blocks"] if r["fuse"] else "-",
+                r["fused_attention"] if r["fuse"] else "-",
+                r["units"],
+                r["hops"],
+                f"{r['ring_bytes'] / 1e6:.2f}",
+                f"{r['cat_bytes'] / 1e6:.2f}",
+                f"{r['step_s'] * 1e3:.1f}",
+            )
+        )
     print(format_table(table))
     for n in (2, 4):
         for model in MODELS:
             off, on = [r for r in rows if r["N"] == n and r["model"] == model]
-            print(f"N={n} {model}: fused/unfused ring hops {on['hops'] / off['hops']:.2f}, "
-                  f"ring bytes {on['ring_bytes'] / off['ring_bytes']:.2f}, cat bytes "
-                  f"{on['cat_bytes'] / off['cat_bytes']:.2f}, step time "
-                  f"{on['step_s'] / off['step_s']:.2f}")
+            print(
+                f"N={n} {model}: fused/unfused ring hops {on['hops'] / off['hops']:.2f}, "
+                f"ring bytes {on['ring_bytes'] / off['ring_bytes']:.2f}, cat bytes "
+                f"{on['cat_bytes'] / off['cat_bytes']:.2f}, step time "
+                f"{on['step_s'] / off['step_s']:.2f}"
+            )
     _plot(rows, pathlib.Path(args.out))
 
 
 def _plot(rows, out: pathlib.Path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     out.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     kinds = [(m, f) for m in MODELS for f in (False, True)]
     width = 0.8 / len(kinds)
-    for ax, key, label in zip(axes, ("hops", "cat_bytes", "step_s"),
-                              ("ring hops / step", "cat bytes / step", "step time (s)")):
+    for ax, key, label in zip(
+        axes,
+        ("hops", "cat_bytes", "step_s"),
+        ("ring hops / step", "cat bytes / step", "step time (s)"),
+    ):
         for i, (model, fuse) in enumerate(kinds):
             values = [r[key] for r in rows if (r["model"], r["fuse"]) == (model, fuse)]
-            ax.bar([x + width * i for x in range(2)], values, width,
-                   label=f"{model}, {'fused' if fuse else 'unfused'}")
+            ax.bar(
+                [x + width * i for x in range(2)],
+                values,
+                width,
+                label=f"{model}, {'fused' if fuse else 'unfused'}",
+            )
         ax.set_xticks([0.4 - width / 2, 1.4 - width / 2], ["N=2", "N=4"])
         ax.set_title(label)
     axes[0].legend(fontsize=7)

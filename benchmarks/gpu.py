@@ -12,6 +12,7 @@
 
 Run on a machine with a GPU: `python benchmarks/gpu.py [--quick]`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,8 @@ def _efficiency_at(h: int, ranks, tokens: int) -> list[tuple]:
     """Rows of matmul_efficiency for hidden width h."""
     x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
     x4 = torch.randn(tokens, 4 * h, device="cuda", dtype=torch.bfloat16)
-    up = torch.randn(4 * h, h, device="cuda", dtype=torch.bfloat16)       # col split
-    down = torch.randn(h, 4 * h, device="cuda", dtype=torch.bfloat16)     # row split
+    up = torch.randn(4 * h, h, device="cuda", dtype=torch.bfloat16)  # col split
+    down = torch.randn(h, 4 * h, device="cuda", dtype=torch.bfloat16)  # row split
     whole_up = cuda_ms(lambda: F.linear(x, up))
     whole_down = cuda_ms(lambda: F.linear(x4, down))
     rows = []
@@ -59,8 +60,10 @@ def _efficiency_at(h: int, ranks, tokens: int) -> list[tuple]:
         up_shards = list(up.chunk(n, 0))
         down_shards = list(down.chunk(n, 1))
         x_parts = list(x4.chunk(n, -1))
-        recv_up, recv_down = torch.empty_like(up_shards[0]), \
-            torch.empty_like(down_shards[0].contiguous())
+        recv_up, recv_down = (
+            torch.empty_like(up_shards[0]),
+            torch.empty_like(down_shards[0].contiguous()),
+        )
 
         def col(copy):
             parts = []
@@ -88,13 +91,16 @@ def _efficiency_at(h: int, ranks, tokens: int) -> list[tuple]:
 
 def gpt(layers: int, width: int, heads: int, vocab: int, block: int):
     from rtp_compile.apps.models import GPTConfig, TinyGPT
-    return TinyGPT(GPTConfig(vocab_size=vocab, block_size=block, n_layer=layers, n_head=heads,
-                             n_embd=width))
+
+    return TinyGPT(
+        GPTConfig(vocab_size=vocab, block_size=block, n_layer=layers, n_head=heads, n_embd=width)
+    )
 
 
 def train_step_ms(module, idx, steps: int = 6) -> tuple[float, float]:
     """Median ms of a training step and the peak bytes allocated across them."""
     from rtp_compile.apps.models import lm_loss
+
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
 
     def step():
@@ -120,6 +126,7 @@ def rank_step(ranks, cfg, batch: int) -> list[tuple]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import rtp_compile
+
     torch.manual_seed(0)
     model = gpt(**cfg)
     idx = torch.randint(0, cfg["vocab"], (batch, cfg["block"] + 1), device="cuda")
@@ -137,8 +144,17 @@ def rank_step(ranks, cfg, batch: int) -> list[tuple]:
         try:
             gm = prog.module(0, device="cuda")
             ms, peak = train_step_ms(gm, idx)
-            rows.append((f"RTP rank 0 of {n}", n, ms, ms / plain_ms, peak / 2**20,
-                         peak / plain_peak, f"{compile_s:.1f}"))
+            rows.append(
+                (
+                    f"RTP rank 0 of {n}",
+                    n,
+                    ms,
+                    ms / plain_ms,
+                    peak / 2**20,
+                    peak / plain_peak,
+                    f"{compile_s:.1f}",
+                )
+            )
             del gm
         finally:
             dist.destroy_process_group()
@@ -151,6 +167,7 @@ def nccl_job(rank, world_size, cfg):
 
     import rtp_compile
     from rtp_compile.apps.models import lm_loss
+
     torch.manual_seed(0)
     model = gpt(**cfg)
     prog = rtp_compile.transform(model, world_size)
@@ -190,23 +207,39 @@ def main():
     try:
         rows = matmul_efficiency(hiddens, [2, 4, 8], tokens=8192)
         print("## 1. per-shard matmul efficiency, bf16, 8192 tokens (unsplit ms / steps ms)")
-        table(["hidden", "N", "split", "unsplit ms", "N steps ms", "steps + recv copy ms",
-               "efficiency", "with copy"], rows,
-              ["{}", "{}", "{}", "{:.3f}", "{:.3f}", "{:.3f}", "{:.2f}", "{:.2f}"])
+        table(
+            [
+                "hidden",
+                "N",
+                "split",
+                "unsplit ms",
+                "N steps ms",
+                "steps + recv copy ms",
+                "efficiency",
+                "with copy",
+            ],
+            rows,
+            ["{}", "{}", "{}", "{:.3f}", "{:.3f}", "{:.3f}", "{:.2f}", "{:.2f}"],
+        )
     except Exception:
         traceback.print_exc()
     cfg = dict(layers=12, width=768, heads=12, vocab=50257, block=1024)
     try:
         rows = rank_step([2, 4, 8], cfg, batch=4)
-        print("## 2. one rank's training step, GPT-2 124M shape (12 x 768, vocab 50257), batch "
-              "4 x 1024, fp32, AdamW; fake process group (no communication)")
-        table(["kind", "N", "step ms", "step / plain", "peak MiB", "peak / plain",
-               "transform s"], rows,
-              ["{}", "{}", "{:.1f}", "{:.2f}", "{:.0f}", "{:.2f}", "{}"])
+        print(
+            "## 2. one rank's training step, GPT-2 124M shape (12 x 768, vocab 50257), batch "
+            "4 x 1024, fp32, AdamW; fake process group (no communication)"
+        )
+        table(
+            ["kind", "N", "step ms", "step / plain", "peak MiB", "peak / plain", "transform s"],
+            rows,
+            ["{}", "{}", "{:.1f}", "{:.2f}", "{:.0f}", "{:.2f}", "{}"],
+        )
     except Exception:
         traceback.print_exc()
     try:
         import rtp_compile
+
         small = dict(layers=2, width=128, heads=4, vocab=512, block=64)
         result = rtp_compile.launch(nccl_job, 1, args=(small,), timeout=120)[0]
         print("## 3. launch on one GPU:", result, flush=True)

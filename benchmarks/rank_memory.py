@@ -11,6 +11,7 @@ the peak should fall with N.
 
     python benchmarks/rank_memory.py [--vocab 8192 --layers 4 --width 256 --batch 4 --seq 256]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,12 @@ def measure(model: torch.nn.Module, cfg: GPTConfig, batch: int) -> dict:
     def phase(state):
         return max(s["Total"] for snap in snaps.get(state, []) for s in snap.values())
 
-    return {"peak": peak["Total"], "fw": phase(_ModState.PEAK_FW),
-            "bw": phase(_ModState.PEAK_BW), "state": state}
+    return {
+        "peak": peak["Total"],
+        "fw": phase(_ModState.PEAK_FW),
+        "bw": phase(_ModState.PEAK_BW),
+        "state": state,
+    }
 
 
 def main(argv=None) -> list[dict]:
@@ -50,8 +55,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--bucket-bytes", type=int, default=None)
     parser.add_argument("--disable", nargs="*", default=[])
     args = parser.parse_args(argv)
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers,
-                    n_head=args.heads, n_embd=args.width)
+    cfg = GPTConfig(
+        vocab_size=args.vocab,
+        block_size=args.seq,
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_embd=args.width,
+    )
     torch.manual_seed(0)
     model = TinyGPT(cfg)
     plain = measure(TinyGPT(cfg), cfg, args.batch)
@@ -66,17 +76,37 @@ def main(argv=None) -> list[dict]:
             rows.append({"N": n, **measure(prog.module(0), cfg, args.batch)})
         finally:
             dist.destroy_process_group()
-    mib = 2 ** 20
-    print(f"TinyGPT vocab {args.vocab}, {args.layers} x {args.width}, per-rank batch "
-          f"{args.batch} x {args.seq}, fp32, AdamW; rank 0 under a fake process group; MiB "
-          f"(MemTracker); options {options}")
-    table = [("N", "plain peak", "RTP peak", "RTP / plain", "RTP fw peak", "RTP bw peak",
-              "RTP state", "plain state")]
+    mib = 2**20
+    print(
+        f"TinyGPT vocab {args.vocab}, {args.layers} x {args.width}, per-rank batch "
+        f"{args.batch} x {args.seq}, fp32, AdamW; rank 0 under a fake process group; MiB "
+        f"(MemTracker); options {options}"
+    )
+    table = [
+        (
+            "N",
+            "plain peak",
+            "RTP peak",
+            "RTP / plain",
+            "RTP fw peak",
+            "RTP bw peak",
+            "RTP state",
+            "plain state",
+        )
+    ]
     for r in rows:
-        table.append((r["N"], f"{plain['peak'] / mib:.1f}", f"{r['peak'] / mib:.1f}",
-                      f"{r['peak'] / plain['peak']:.2f}", f"{r['fw'] / mib:.1f}",
-                      f"{r['bw'] / mib:.1f}", f"{r['state'] / mib:.1f}",
-                      f"{plain['state'] / mib:.1f}"))
+        table.append(
+            (
+                r["N"],
+                f"{plain['peak'] / mib:.1f}",
+                f"{r['peak'] / mib:.1f}",
+                f"{r['peak'] / plain['peak']:.2f}",
+                f"{r['fw'] / mib:.1f}",
+                f"{r['bw'] / mib:.1f}",
+                f"{r['state'] / mib:.1f}",
+                f"{plain['state'] / mib:.1f}",
+            )
+        )
     print(format_table(table))
     return rows
 

@@ -5,6 +5,7 @@ largest loss difference and the parameters' relative error against DDP.
 
     python benchmarks/soak.py [--world-size 2] [--steps 300] [--every 50] [--dtype float64]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,7 @@ def make_batch(cfg: GPTConfig, batch_size: int, seed: int) -> tuple[torch.Tensor
 
 def _peak_bytes(module, opt, idx, targets) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
+
     tracker = MemTracker()
     tracker.track_external(module, opt, idx, targets)
     with tracker:
@@ -51,6 +53,7 @@ def _peak_bytes(module, opt, idx, targets) -> int:
 
 def soak(rank: int, world_size: int, steps: int, every: int, dtype: str) -> dict:
     from rtp_compile.runtime import ring
+
     torch.manual_seed(0)
     model = TinyGPT().to(getattr(torch, dtype))
     prog = rtp_compile.transform(model, world_size)
@@ -61,6 +64,7 @@ def soak(rank: int, world_size: int, steps: int, every: int, dtype: str) -> dict
     progress = range(steps)
     if rank == 0:
         from tqdm import tqdm
+
         progress = tqdm(progress, desc=f"soak N={world_size}")
     for step in progress:
         idx, targets = make_batch(model.cfg, BATCH_SIZE, batch_seed(1, rank, step))
@@ -79,8 +83,10 @@ def soak(rank: int, world_size: int, steps: int, every: int, dtype: str) -> dict
         if loss is not None:
             loss_diff = max(loss_diff, abs(loss.item() - ddp_loss.item()))
     full, reference = prog.full_state_dict(gm), ddp.module.state_dict()
-    param_err = max(((full[k] - reference[k]).norm() / reference[k].norm().clamp_min(1e-12)).item()
-                    for k, _ in model.named_parameters())
+    param_err = max(
+        ((full[k] - reference[k]).norm() / reference[k].norm().clamp_min(1e-12)).item()
+        for k, _ in model.named_parameters()
+    )
     return {"rows": rows, "loss_diff": loss_diff, "param_err": param_err}
 
 
@@ -89,21 +95,26 @@ def main(argv=None) -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=int, default=50)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"],
-                        help="float64: what is left of the drift is not rounding")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float64"],
+        help="float64: what is left of the drift is not rounding",
+    )
     args = parser.parse_args(argv)
-    results = rtp_compile.launch(soak, args.world_size, args=(args.steps, args.every, args.dtype),
-                                 timeout=3600)
-    print(f"TinyGPT ({args.dtype}), N={args.world_size}, {args.steps} AdamW steps, RTP next to "
-          "DDP")
+    results = rtp_compile.launch(
+        soak, args.world_size, args=(args.steps, args.every, args.dtype), timeout=3600
+    )
+    print(f"TinyGPT ({args.dtype}), N={args.world_size}, {args.steps} AdamW steps, RTP next to DDP")
     print("step  " + "  ".join(f"rank {r} peak MB  in flight" for r in range(len(results))))
     for i, (step, *_) in enumerate(results[0]["rows"]):
         cells = [f"{r['rows'][i][1] / 1e6:12.3f}  {r['rows'][i][2]:9d}" for r in results]
         print(f"{step:4d}  " + "  ".join(cells))
-    print("max |loss rtp - ddp| per rank: " +
-          ", ".join(f"{r['loss_diff']:.2e}" for r in results))
-    print("parameters vs DDP after the last step (max rel. error): " +
-          ", ".join(f"{r['param_err']:.2e}" for r in results))
+    print("max |loss rtp - ddp| per rank: " + ", ".join(f"{r['loss_diff']:.2e}" for r in results))
+    print(
+        "parameters vs DDP after the last step (max rel. error): "
+        + ", ".join(f"{r['param_err']:.2e}" for r in results)
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Jobs the compile-backend tests run on every rank (rtp_compile.launch, gloo, float64)."""
+
 from __future__ import annotations
 
 import copy
@@ -8,18 +9,19 @@ import pickle
 
 import torch
 import torch.distributed as dist
+from jobs import LR, loss_of, rel_err
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rtp_compile
 from rtp_compile.state import shard_registry
-from jobs import LR, loss_of, rel_err
 
 STEPS = 3
 
 
 def tiny_gpt():
     from rtp_compile.apps.models import GPTConfig, TinyGPT
+
     return TinyGPT(GPTConfig(vocab_size=29, block_size=16, n_layer=2, n_head=2, n_embd=12))
 
 
@@ -31,9 +33,11 @@ def models():
         g = torch.Generator().manual_seed(100 * rank + step)
         return torch.randint(0, 29, (rows, 7), generator=g)
 
-    return {"tinygpt": (tiny_gpt, lambda m, x: m(x), lambda o: o),
-            "gpt2": (_gpt2, lambda m, x: m(input_ids=x), lambda o: o.logits),
-            "llama": (_llama, lambda m, x: m(input_ids=x), lambda o: o.logits)}, tokens
+    return {
+        "tinygpt": (tiny_gpt, lambda m, x: m(x), lambda o: o),
+        "gpt2": (_gpt2, lambda m, x: m(input_ids=x), lambda o: o.logits),
+        "llama": (_llama, lambda m, x: m(input_ids=x), lambda o: o.logits),
+    }, tokens
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -55,6 +59,7 @@ def held_fraction(model: nn.Module) -> float:
     parameters and their gradients take."""
     gc.collect()
     from torch._subclasses.fake_tensor import FakeTensor
+
     storages = {}
     for obj in gc.get_objects():
         if not isinstance(obj, torch.Tensor) or isinstance(obj, FakeTensor) or obj.is_meta:
@@ -62,8 +67,10 @@ def held_fraction(model: nn.Module) -> float:
         for t in (obj if isinstance(obj, nn.Parameter) else None, obj.grad):
             if t is not None and not isinstance(t, FakeTensor) and t.untyped_storage().nbytes():
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    full = sum(2 * math.prod(shard_registry.entry_of(p).layout.shape) * p.element_size()
-               for p in model.parameters())
+    full = sum(
+        2 * math.prod(shard_registry.entry_of(p).layout.shape) * p.element_size()
+        for p in model.parameters()
+    )
     return sum(storages.values()) / full
 
 
@@ -86,8 +93,10 @@ def held_state_fraction(model: nn.Module, optimizer: torch.optim.Optimizer) -> f
                 continue
     state = next(s for s in optimizer.state.values() if s)
     per_element = sum(torch.is_tensor(v) and v.dim() > 0 for v in state.values())
-    full = sum(math.prod(shard_registry.entry_of(p).layout.shape) * p.element_size()
-               for p in model.parameters())
+    full = sum(
+        math.prod(shard_registry.entry_of(p).layout.shape) * p.element_size()
+        for p in model.parameters()
+    )
     return sum(storages.values()) / ((2 + per_element) * full / dist.get_world_size())
 
 
@@ -95,19 +104,25 @@ def bound_bytes() -> int:
     """Bytes the rank modules of the programs alive hold in the parameters and buffers every
     call binds, beyond a one-element placeholder each (a copy of a buffer, a shard)."""
     from rtp_compile.compile_backend.backend import BoundRankProgram
+
     held = 0
     for obj in gc.get_objects():
         if isinstance(obj, BoundRankProgram):
             gm = obj.rank_gm
-            tensors = {**dict(gm.named_parameters(remove_duplicate=False)),
-                       **dict(gm.named_buffers(remove_duplicate=False))}
-            held += sum(max(tensors[n].untyped_storage().nbytes() - tensors[n].element_size(), 0)
-                        for n in [*obj.layouts, *obj.buffers])
+            tensors = {
+                **dict(gm.named_parameters(remove_duplicate=False)),
+                **dict(gm.named_buffers(remove_duplicate=False)),
+            }
+            held += sum(
+                max(tensors[n].untyped_storage().nbytes() - tensors[n].element_size(), 0)
+                for n in [*obj.layouts, *obj.buffers]
+            )
     return held
 
 
-def train_compiled_next_to_ddp(model, call, logits, tokens, rank, seed, contract,
-                               backend, steps: int = STEPS) -> dict:
+def train_compiled_next_to_ddp(
+    model, call, logits, tokens, rank, seed, contract, backend, steps: int = STEPS
+) -> dict:
     """Train `model` compiled with `backend` (contract "b": optimizer built first, then
     compiled; "a": rtp_compile.shard first) next to DDP for `steps` AdamW steps; the max relative
     errors of the first output (vs the eager model), the first gradients and the parameters
@@ -132,15 +147,18 @@ def train_compiled_next_to_ddp(model, call, logits, tokens, rank, seed, contract
         errors["loss"] = max(errors["loss"], rel_err(loss.detach(), ddp_loss.detach()))
         if step == 0:
             ddp_grads = {n: p.grad for n, p in ddp.module.named_parameters()}
-            errors["grad"] = max(rel_err(g, ddp_grads[n], 1e-6) for n, g in
-                                 full_grads(model).items())
+            errors["grad"] = max(
+                rel_err(g, ddp_grads[n], 1e-6) for n, g in full_grads(model).items()
+            )
         opt.step()
         ddp_opt.step()
         opt.zero_grad()
         ddp_opt.zero_grad()
         full = rtp_compile.full_state_dict(model)
-        errors["param"] = max(errors["param"], max(
-            rel_err(full[k], v, LR) for k, v in ddp.module.state_dict().items()))
+        errors["param"] = max(
+            errors["param"],
+            max(rel_err(full[k], v, LR) for k, v in ddp.module.state_dict().items()),
+        )
         graphs.append(len(backend.programs))
     if contract == "a":  # run uncompiled, the sharded model gathers each weight it reads
         x = tokens(rank, seed + steps)
@@ -149,21 +167,34 @@ def train_compiled_next_to_ddp(model, call, logits, tokens, rank, seed, contract
         loss_of(out, seed).backward()
         loss_of(ddp_out, seed).backward()
         ddp_grads = {n: p.grad for n, p in ddp.module.named_parameters()}
-        errors["eager_grad"] = max(rel_err(g, ddp_grads[n], 1e-6) for n, g in
-                                   full_grads(model).items())
-        errors["clip"] = rel_err(rtp_compile.clip_grad_norm_(model, 0.05),
-                                 torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05))
+        errors["eager_grad"] = max(
+            rel_err(g, ddp_grads[n], 1e-6) for n, g in full_grads(model).items()
+        )
+        errors["clip"] = rel_err(
+            rtp_compile.clip_grad_norm_(model, 0.05),
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05),
+        )
         opt.zero_grad()
         with torch.no_grad():  # a state to load that differs from the model's
-            target = {k: v + 0.5 if v.is_floating_point() else v
-                      for k, v in ddp.module.state_dict().items()}
+            target = {
+                k: v + 0.5 if v.is_floating_point() else v
+                for k, v in ddp.module.state_dict().items()
+            }
         rtp_compile.load_full_state_dict(model, target)
         loaded = rtp_compile.full_state_dict(model)
         errors["load"] = max((loaded[k] - v).abs().max().item() for k, v in target.items())
-    return {**errors, "graphs": graphs,
+    return (
+        {
+            **errors,
+            "graphs": graphs,
             "sharded": all(shard_registry.entry_of(p) is not None for p in model.parameters()),
             "keys": list(rtp_compile.full_state_dict(model)) == list(model.state_dict().keys())
-            if contract == "a" else None}, opt, compiled
+            if contract == "a"
+            else None,
+        },
+        opt,
+        compiled,
+    )
 
 
 def compiled_parity(rank: int, world_size: int, cases: list, seed: int) -> dict:
@@ -178,8 +209,9 @@ def compiled_parity(rank: int, world_size: int, cases: list, seed: int) -> dict:
         model = factory().to(torch.float64)
         torch._dynamo.reset()
         backend = rtp_compile.backend(rank_compiler=rank_compiler)
-        result, opt, compiled = train_compiled_next_to_ddp(model, call, logits, tokens, rank,
-                                                           seed, contract, backend)
+        result, opt, compiled = train_compiled_next_to_ddp(
+            model, call, logits, tokens, rank, seed, contract, backend
+        )
         # with gradients, the reference runs gone
         loss_of(logits(call(compiled, tokens(rank, seed))), seed).backward()
         result["held"] = held_fraction(model)
@@ -202,8 +234,9 @@ def default_backend(rank: int, world_size: int, name: str, seed: int) -> dict:
     counters = torch._dynamo.utils.counters
     counters.clear()
     backend = rtp_compile.backend()
-    result, opt, compiled = train_compiled_next_to_ddp(model, call, logits, tokens, rank, seed,
-                                                       "b", backend, steps=2)
+    result, opt, compiled = train_compiled_next_to_ddp(
+        model, call, logits, tokens, rank, seed, "b", backend, steps=2
+    )
     result["programs"] = len(backend.programs)
     result["rank_frames"] = counters["stats"]["unique_graphs"] - len(backend.programs)
     loss_of(logits(call(compiled, tokens(rank, seed))), seed).backward()  # with gradients
@@ -288,8 +321,9 @@ def graph_breaks(rank: int, world_size: int, contract: str, seed: int) -> dict:
         out["loss"] = max(out["loss"], rel_err(loss.detach(), ddp_loss.detach()))
         out["norm"] = max(out["norm"], rel_err(norm, ddp_norm))
         full = rtp_compile.full_state_dict(model)
-        out["param"] = max(out["param"], max(rel_err(full[k], v, LR)
-                                             for k, v in ddp.module.state_dict().items()))
+        out["param"] = max(
+            out["param"], max(rel_err(full[k], v, LR) for k, v in ddp.module.state_dict().items())
+        )
         out["graphs"].append(len(backend.programs))
         out["frames"].append(counters["stats"]["unique_graphs"])
     with torch.no_grad():
@@ -304,12 +338,13 @@ def graph_breaks(rank: int, world_size: int, contract: str, seed: int) -> dict:
     if contract == "b":
         weight = model.layer0.a.weight
         out["released"] = weight.untyped_storage().nbytes() == 0
-        out["errors"] = {"repr": _raises(lambda: repr(weight)),
-                         "deepcopy": _raises(lambda: copy.deepcopy(model)),
-                         "state_dict": _raises(model.state_dict),
-                         "pickle": _raises(lambda: pickle.dumps(weight)),
-                         "load_state_dict": _raises(
-                             lambda: model.load_state_dict(ddp.module.state_dict()))}
+        out["errors"] = {
+            "repr": _raises(lambda: repr(weight)),
+            "deepcopy": _raises(lambda: copy.deepcopy(model)),
+            "state_dict": _raises(model.state_dict),
+            "pickle": _raises(lambda: pickle.dumps(weight)),
+            "load_state_dict": _raises(lambda: model.load_state_dict(ddp.module.state_dict())),
+        }
     torch.manual_seed(seed + 1)
     fresh = Broken().state_dict()  # another initialisation (its tied keys equal)
     rtp_compile.load_full_state_dict(model, fresh)
@@ -338,6 +373,7 @@ def mixed_precision(rank: int, world_size: int, names: list, seed: int) -> dict:
     policy on a model it was not sharded with (contract b)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     table, tokens = models()
     mesh = init_device_mesh("cpu", (world_size,))
@@ -351,19 +387,35 @@ def mixed_precision(rank: int, world_size: int, names: list, seed: int) -> dict:
             fsdp = fully_shard(copy.deepcopy(model), mesh=mesh, **kwargs)
             loss = logits(call(fsdp, x)).float().pow(2).mean()
             loss.backward()
-            result[tag] = (loss.item(), {n: p.grad.full_tensor()
-                                         for n, p in fsdp.named_parameters()})
+            result[tag] = (
+                loss.item(),
+                {n: p.grad.full_tensor() for n, p in fsdp.named_parameters()},
+            )
         plain = copy.deepcopy(model)
-        sharded = rtp_compile.shard(model, world_size, example_kwargs={"input_ids": x}
-                                    if name != "tinygpt" else None,
-                                    example_inputs=(x,) if name == "tinygpt" else None,
-                                    mp_policy=policy)
-        compiled = torch.compile(sharded, backend=rtp_compile.backend(
-            world_size, rank_compiler="eager", mp_policy=policy))
+        sharded = rtp_compile.shard(
+            model,
+            world_size,
+            example_kwargs={"input_ids": x} if name != "tinygpt" else None,
+            example_inputs=(x,) if name == "tinygpt" else None,
+            mp_policy=policy,
+        )
+        compiled = torch.compile(
+            sharded,
+            backend=rtp_compile.backend(world_size, rank_compiler="eager", mp_policy=policy),
+        )
         loss = logits(call(compiled, x)).float().pow(2).mean()
         loss.backward()
         result["rtp"] = (loss.item(), full_grads(sharded))
-        result["refused"] = _raises(lambda: call(torch.compile(plain, backend=rtp_compile.backend(
-            world_size, rank_compiler="eager", mp_policy=policy)), x))
+        result["refused"] = _raises(
+            lambda: call(
+                torch.compile(
+                    plain,
+                    backend=rtp_compile.backend(
+                        world_size, rank_compiler="eager", mp_policy=policy
+                    ),
+                ),
+                x,
+            )
+        )
         out[name] = result
     return out

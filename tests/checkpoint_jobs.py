@@ -1,4 +1,5 @@
 """Functions the checkpoint tests run on every rank of a real job (rtp_compile.launch, gloo)."""
+
 from __future__ import annotations
 
 import os
@@ -6,17 +7,17 @@ import signal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from decoders import DECODERS, DecoderConfig, build_decoder, decoder_batch
+from jobs import LR, loss_of, param_errors, rel_err
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zoo import ZOO, build
 
 import rtp_compile
-from rtp_compile.runtime.job import job_of
 from rtp_compile.runtime.groups import resolve_group
-from jobs import LR, loss_of, param_errors, rel_err
+from rtp_compile.runtime.job import job_of
 from rtp_compile.state import dcp as checkpoint
-from decoders import DECODERS, DecoderConfig, build_decoder, decoder_batch
-from zoo import ZOO, build
 
 
 def draw_batch(name: str) -> torch.Tensor:
@@ -30,8 +31,9 @@ def draw_batch(name: str) -> torch.Tensor:
 def program(name: str, seed: int, world_size: int) -> rtp_compile.RTPProgram:
     """Zoo models traced with torch.fx; decoders exported (their rotary tables need sizes)."""
     if name in DECODERS:
-        return rtp_compile.transform(build_decoder(name, seed), world_size,
-                                     example_inputs=(decoder_batch(0, 0),))
+        return rtp_compile.transform(
+            build_decoder(name, seed), world_size, example_inputs=(decoder_batch(0, 0),)
+        )
     return rtp_compile.transform(build(name, seed), world_size)
 
 
@@ -42,9 +44,17 @@ class DieWhenPickled:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def train_with_checkpoints(rank: int, world_size: int, name: str, path: str, steps: int,
-                           every: int, seed: int, die: tuple[str, int] | None = None,
-                           resume: bool = False) -> tuple[dict[int, float], dict]:
+def train_with_checkpoints(
+    rank: int,
+    world_size: int,
+    name: str,
+    path: str,
+    steps: int,
+    every: int,
+    seed: int,
+    die: tuple[str, int] | None = None,
+    resume: bool = False,
+) -> tuple[dict[int, float], dict]:
     """AdamW steps on zoo model `name`, each rank's batches drawn from its global RNG, a
     checkpoint (with the step, the RNG state and the losses so far as `extra`) every `every`
     steps. `die=("backward", k)`: rank 1 is killed (SIGKILL) half-way through step k's backward;
@@ -65,7 +75,8 @@ def train_with_checkpoints(rank: int, world_size: int, name: str, path: str, ste
         hook = None
         if die == ("backward", step) and rank == 1:
             hook = units[len(units) // 2].register_full_backward_pre_hook(
-                lambda *args: os.kill(os.getpid(), signal.SIGKILL))
+                lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+            )
         loss = loss_of(gm(draw_batch(name)), step)
         loss.backward()
         opt.step()
@@ -74,16 +85,27 @@ def train_with_checkpoints(rank: int, world_size: int, name: str, path: str, ste
         if hook is not None:
             hook.remove()
         if (step + 1) % every == 0:
-            extra = {"step": step + 1, "rng": torch.get_rng_state(), "losses": dict(losses),
-                     "rank": rank}
+            extra = {
+                "step": step + 1,
+                "rng": torch.get_rng_state(),
+                "losses": dict(losses),
+                "rank": rank,
+            }
             if die == ("save", step + 1) and rank == 1:
                 extra["bomb"] = DieWhenPickled()
             checkpoint.save(path, gm, opt, extra=extra)
     return losses, prog.full_state_dict(gm)
 
 
-def save_after_steps(rank: int, world_size: int, name: str, path: str, steps: int,
-                     seed: int, mesh_shape: tuple[int, int] | None = None) -> dict:
+def save_after_steps(
+    rank: int,
+    world_size: int,
+    name: str,
+    path: str,
+    steps: int,
+    seed: int,
+    mesh_shape: tuple[int, int] | None = None,
+) -> dict:
     """`steps` AdamW steps of zoo model `name` on per-rank batches (on a 2-D (replicas, ring)
     mesh of `mesh_shape`), then a checkpoint; returns what `full_state_and_moments` gives."""
     torch.manual_seed(seed * 100 + rank)
@@ -117,8 +139,9 @@ def full_state_and_moments(prog, gm, opt) -> dict:
     return {"state": prog.full_state_dict(gm), "moments": moments}
 
 
-def resharded_steps_match_ddp(rank: int, world_size: int, name: str, path: str, steps: int,
-                              seed: int) -> dict:
+def resharded_steps_match_ddp(
+    rank: int, world_size: int, name: str, path: str, steps: int, seed: int
+) -> dict:
     """Load a checkpoint saved by another world size and take `steps` more AdamW steps; next
     to it, DDP on the unsharded model and optimizer read from `dcp_to_torch_save`'s file (as a
     user without rtp_compile would) takes the same steps. Returns the largest relative errors
@@ -141,9 +164,12 @@ def resharded_steps_match_ddp(rank: int, world_size: int, name: str, path: str, 
     ddp_opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     names = [n for n, _ in model.named_parameters()]
     group = saved["optimizer"]["param_groups"][0]
-    ddp_opt.load_state_dict({
-        "state": {names.index(n): s for n, s in saved["optimizer"]["state"].items()},
-        "param_groups": [{**group, "params": [names.index(n) for n in names]}]})
+    ddp_opt.load_state_dict(
+        {
+            "state": {names.index(n): s for n, s in saved["optimizer"]["state"].items()},
+            "param_groups": [{**group, "params": [names.index(n) for n in names]}],
+        }
+    )
 
     loss_error = 0.0
     for step in range(extra["step"], extra["step"] + steps):
@@ -157,8 +183,12 @@ def resharded_steps_match_ddp(rank: int, world_size: int, name: str, path: str, 
             losses.append(loss.detach())
         loss_error = max(loss_error, rel_err(*losses))
     full, reference = prog.full_state_dict(gm), model.state_dict()
-    return {"loss": loss_error, "param": param_errors(full, reference, full),
-            "keys_match": keys_match, "extra_rank": extra["rank"]}
+    return {
+        "loss": loss_error,
+        "param": param_errors(full, reference, full),
+        "keys_match": keys_match,
+        "extra_rank": extra["rank"],
+    }
 
 
 def load_into_world_size(rank: int, world_size: int, name: str, path: str) -> dict:
@@ -176,14 +206,15 @@ def die_mid_save(rank: int, world_size: int, report_dir: str) -> None:
     raised, and when, to `report_dir`, and re-raise."""
     import pathlib
     import time
+
     gm = program("gpt", 0, world_size).module(rank)
     opt = torch.optim.AdamW(gm.parameters())
     dist.barrier()
     start = time.monotonic()
     try:
-        checkpoint.save(f"{report_dir}/ck", gm, opt,
-                        extra=DieWhenPickled() if rank == 1 else None)
+        checkpoint.save(f"{report_dir}/ck", gm, opt, extra=DieWhenPickled() if rank == 1 else None)
     except RuntimeError as err:
         (pathlib.Path(report_dir) / f"rank{rank}.txt").write_text(
-            f"{time.monotonic() - start:.2f}\n{err}")
+            f"{time.monotonic() - start:.2f}\n{err}"
+        )
         raise

@@ -1,29 +1,31 @@
 """What the compile tests run on every rank of a real job (rtp_compile.launch, gloo): a rank's
 module trained next to the same rank's module under `torch.compile(..., fullgraph=True)`."""
+
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func
+from jobs import loss_of, rel_err
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from zoo import batch, build
 
 import rtp_compile
-from jobs import loss_of, rel_err
 from rtp_compile.apps.models import GPTConfig, TinyGPT
 from rtp_compile.runtime.bucket import BucketRuntime
-from rtp_compile.runtime.recompute import CheckpointedRegion
 from rtp_compile.runtime.gathered import GatheredOpRuntime
-from zoo import batch, build
+from rtp_compile.runtime.recompute import CheckpointedRegion
 
 LR = 1e-2
 
 
 def tiny_gpt(seed: int, dtype: torch.dtype) -> TinyGPT:
     torch.manual_seed(seed)
-    return TinyGPT(GPTConfig(vocab_size=48, block_size=16, n_layer=1, n_head=2,
-                             n_embd=32)).to(dtype)
+    return TinyGPT(GPTConfig(vocab_size=48, block_size=16, n_layer=1, n_head=2, n_embd=32)).to(
+        dtype
+    )
 
 
 def gpt_batch(seed: int, rank: int, step: int) -> torch.Tensor:
@@ -48,36 +50,52 @@ def aot_eager_watching(received: dict):
     how many tensors of the compiled forward a ring hop received ("in forward") and which of
     them it saves for backward ("saved"; none may be: DESIGN.md 3.2, weights are re-fetched,
     never saved)."""
+
     def forward(gm, example_inputs):
         received["in forward"] += sum(map(_received, gm.graph.nodes))
-        received["saved"] += [o.name for o in gm.graph.output_node().args[0]
-                              if isinstance(o, fx.Node) and _received(o)]
+        received["saved"] += [
+            o.name
+            for o in gm.graph.output_node().args[0]
+            if isinstance(o, fx.Node) and _received(o)
+        ]
         return make_boxed_func(gm.forward)
 
     def backend(gm, example_inputs):
         return aot_module_simplified(
-            gm, example_inputs, fw_compiler=forward,
+            gm,
+            example_inputs,
+            fw_compiler=forward,
             bw_compiler=lambda g, _: make_boxed_func(g.forward),
-            partition_fn=min_cut_rematerialization_partition)
+            partition_fn=min_cut_rematerialization_partition,
+        )
+
     return backend
 
 
-def compiled_next_to_eager(rank: int, model, make_batch, backend, steps: int, seed: int,
-                           **options) -> dict:
+def compiled_next_to_eager(
+    rank: int, model, make_batch, backend, steps: int, seed: int, **options
+) -> dict:
     """`steps` of forward, backward and AdamW on rank `rank`'s module and on another copy of
     it compiled whole; the largest relative errors of the compiled one's outputs, gradients
     (of the first step, and of the later ones: after an AdamW step, whose first update
     amplifies rounding, so later outputs and gradients are apart by more) and (after the steps)
-    parameters and buffers; the frames dynamo compiled (one: no break, no recompile); how many buckets, gathered ops and activation checkpoints the module has."""
+    parameters and buffers; the frames dynamo compiled (one: no break, no recompile); how many
+    buckets, gathered ops and activation checkpoints the module has."""
     prog = rtp_compile.transform(model, 2, **options)
     eager, plain = prog.module(rank), prog.module(rank)
     received = {"in forward": 0, "saved": []}
     counter = CompileCounterWithBackend(
-        aot_eager_watching(received) if backend == "aot_eager" else backend)
+        aot_eager_watching(received) if backend == "aot_eager" else backend
+    )
     compiled = torch.compile(plain, backend=counter, fullgraph=True)
     opts = [torch.optim.AdamW(m.parameters(), lr=LR, eps=1e-6) for m in (eager, plain)]
-    errors = {"output": 0.0, "grad": 0.0, "output after a step": 0.0, "grad after a step": 0.0,
-              "param": 0.0}
+    errors = {
+        "output": 0.0,
+        "grad": 0.0,
+        "output after a step": 0.0,
+        "grad after a step": 0.0,
+        "param": 0.0,
+    }
     for step in range(steps):
         x = make_batch(step)
         outs = [module(x) for module in (eager, compiled)]
@@ -91,12 +109,19 @@ def compiled_next_to_eager(rank: int, model, make_batch, backend, steps: int, se
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    errors["param"] = max(rel_err(q.float(), p.float(), LR) for p, q in zip(
-        [*eager.parameters(), *eager.buffers()], [*plain.parameters(), *plain.buffers()]))
+    errors["param"] = max(
+        rel_err(q.float(), p.float(), LR)
+        for p, q in zip(
+            [*eager.parameters(), *eager.buffers()], [*plain.parameters(), *plain.buffers()]
+        )
+    )
     kinds = (BucketRuntime, GatheredOpRuntime, CheckpointedRegion)
-    return {**errors, "frames": counter.frame_count, "received": received,
-            **{kind.__name__: sum(isinstance(m, kind) for m in plain.modules())
-               for kind in kinds}}
+    return {
+        **errors,
+        "frames": counter.frame_count,
+        "received": received,
+        **{kind.__name__: sum(isinstance(m, kind) for m in plain.modules()) for kind in kinds},
+    }
 
 
 def aot_eager_models(rank: int, world_size: int, seed: int) -> dict:
@@ -104,22 +129,26 @@ def aot_eager_models(rank: int, world_size: int, seed: int) -> dict:
     generation): TinyGPT with buckets (the default) and without; models with gathered ops,
     with activation checkpoints, with BatchNorm (buffers broadcast and updated in place)."""
     gpt = tiny_gpt(seed, torch.float64)
-    out = {"gpt": compiled_next_to_eager(rank, gpt, lambda s: gpt_batch(seed, rank, s),
-                                         "aot_eager", 2, seed),
-           "gpt, no buckets": compiled_next_to_eager(rank, gpt,
-                                                     lambda s: gpt_batch(seed, rank, s),
-                                                     "aot_eager", 2, seed, bucket_bytes=0)}
+    out = {
+        "gpt": compiled_next_to_eager(
+            rank, gpt, lambda s: gpt_batch(seed, rank, s), "aot_eager", 2, seed
+        ),
+        "gpt, no buckets": compiled_next_to_eager(
+            rank, gpt, lambda s: gpt_batch(seed, rank, s), "aot_eager", 2, seed, bucket_bytes=0
+        ),
+    }
     for name in ("norule", "checkpointed", "conv"):
-        out[name] = compiled_next_to_eager(rank, build(name, seed),
-                                           lambda s: batch(name, seed, rank, s),
-                                           "aot_eager", 2, seed)
+        out[name] = compiled_next_to_eager(
+            rank, build(name, seed), lambda s: batch(name, seed, rank, s), "aot_eager", 2, seed
+        )
     return out
 
 
 def inductor_gpt(rank: int, world_size: int, seed: int) -> dict:
     """TinyGPT in float32 through the default backend (inductor's C++ code)."""
-    return compiled_next_to_eager(rank, tiny_gpt(seed, torch.float32),
-                                  lambda s: gpt_batch(seed, rank, s), "inductor", 2, seed)
+    return compiled_next_to_eager(
+        rank, tiny_gpt(seed, torch.float32), lambda s: gpt_batch(seed, rank, s), "inductor", 2, seed
+    )
 
 
 def many_modules(rank: int, world_size: int, seed: int, count: int) -> list[int]:

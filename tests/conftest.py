@@ -1,4 +1,5 @@
 """Shared test setup: the tests folder is importable (job functions travel to spawned ranks)."""
+
 import os
 import random
 import sys

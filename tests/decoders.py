@@ -9,6 +9,7 @@ Llama, GPT-NeoX-style), with the habits that trip a compiler up:
 
 Sizes are small and uneven (heads that 3 does not divide, widths that 2-4 do not all divide).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ class DecoderConfig:
     n_kv_heads: int = 2
     hidden: int = 40
     max_len: int = 16
-    norm: str = "cast"        # "cast": weight.to(x.dtype); "float": weight.float(); "gemma": 1 + w
+    norm: str = "cast"  # "cast": weight.to(x.dtype); "float": weight.float(); "gemma": 1 + w
 
 
 class CastRMSNorm(nn.Module):
@@ -84,8 +85,9 @@ class LlamaAttention(nn.Module):
     def attend(self, q, k, v, mask):
         """The heads' outputs through wo (kv heads repeated for their q heads)."""
         rep = self.heads // self.kv
-        y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1),
-                                           v.repeat_interleave(rep, dim=1), attn_mask=mask)
+        y = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), attn_mask=mask
+        )
         B, _, T, _ = q.shape
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -166,8 +168,7 @@ class FusedQKV(nn.Module):
         return state_dict
 
     @staticmethod
-    def _join_keys(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
-                   errors):
+    def _join_keys(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         for what in ("weight", "bias"):
             keys = [f"{prefix}{name}.{what}" for name in ("wq", "wk", "wv")]
             if all(k in state_dict for k in keys):
@@ -181,7 +182,7 @@ class NeoXBlock(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.heads, self.head_dim = cfg.n_heads, cfg.dim // cfg.n_heads
-        self.rot = self.head_dim // 4 * 2      # rotary on an even part of each head
+        self.rot = self.head_dim // 4 * 2  # rotary on an even part of each head
         self.input_layernorm = nn.LayerNorm(cfg.dim)
         self.post_attention_layernorm = nn.LayerNorm(cfg.dim)
         self.qkv = FusedQKV(cfg.dim, cfg.dim, cfg.dim)
@@ -191,10 +192,12 @@ class NeoXBlock(nn.Module):
 
     def attention(self, x, cos, sin):
         B, T, _ = x.shape
-        q, k, v = (t.view(B, T, self.heads, self.head_dim).transpose(1, 2)
-                   for t in self.qkv(x).split(self.qkv.split, dim=-1))
-        q = torch.cat([rotate(q[..., :self.rot], cos, sin), q[..., self.rot:]], dim=-1)
-        k = torch.cat([rotate(k[..., :self.rot], cos, sin), k[..., self.rot:]], dim=-1)
+        q, k, v = (
+            t.view(B, T, self.heads, self.head_dim).transpose(1, 2)
+            for t in self.qkv(x).split(self.qkv.split, dim=-1)
+        )
+        q = torch.cat([rotate(q[..., : self.rot], cos, sin), q[..., self.rot :]], dim=-1)
+        k = torch.cat([rotate(k[..., : self.rot], cos, sin), k[..., self.rot :]], dim=-1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.dense(y.transpose(1, 2).reshape(B, T, -1))
 

@@ -3,6 +3,7 @@ launch per world size. Each cell compares rtp_compile with an independent refere
 the same job (DDP on the unsharded model; FSDP2 with the same mixed-precision policy; the
 model's own state_dict; what a checkpoint saved) and returns its checks as
 [what, value, op, bound]; a cell that raises is a failed cell and the launch goes on."""
+
 from __future__ import annotations
 
 import contextlib
@@ -18,16 +19,25 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hf_zoo import build_hf, hf_batch, logits_of
+from jobs import (
+    F32_AFTER_ADAMW,
+    LR,
+    gathered_grads,
+    grad_errors,
+    loss_of,
+    param_errors,
+    parameter_keys,
+    rel_err,
+    train_next_to_ddp,
+)
+from matrix_spec import FAMILIES, MESH
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import rtp_compile
-from hf_zoo import build_hf, hf_batch, logits_of
-from jobs import (F32_AFTER_ADAMW, LR, gathered_grads, grad_errors, loss_of, param_errors,
-                  parameter_keys, rel_err, train_next_to_ddp)
-from matrix_spec import FAMILIES, MESH
 from zoo import batch as zoo_batch
 from zoo import build as zoo_build
+
+import rtp_compile
 
 F64, F32 = 1e-9, 1e-5
 _ARGUMENT = {"gpt": "idx", "conv": "x"}  # the zoo models' forward argument
@@ -35,23 +45,27 @@ _ARGUMENT = {"gpt": "idx", "conv": "x"}  # the zoo models' forward argument
 
 # --- a family: its model, batches and capture path -------------------------------------------
 
+
 def build(family, seed: int, dtype=torch.float64) -> nn.Module:
-    model = zoo_build(family.name, seed) if family.source == "zoo" else \
-        build_hf(family.name, seed)
+    model = zoo_build(family.name, seed) if family.source == "zoo" else build_hf(family.name, seed)
     return model.to(dtype)
 
 
 def make_batch(family, seed: int, rank: int, step: int, dtype=torch.float64) -> dict:
     """This rank's batch of `step`, as the keyword arguments of the model's forward."""
-    inputs = {_ARGUMENT[family.name]: zoo_batch(family.name, seed, rank, step)} \
-        if family.source == "zoo" else hf_batch(family.name, seed, rank, step)
+    inputs = (
+        {_ARGUMENT[family.name]: zoo_batch(family.name, seed, rank, step)}
+        if family.source == "zoo"
+        else hf_batch(family.name, seed, rank, step)
+    )
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
 
 
 def transform(family, model, world_size: int, example: dict, **options):
     """Through the family's capture path: fx without example inputs, export with them."""
-    return rtp_compile.transform(model, world_size, **options,
-                                 example_kwargs=example if family.path == "export" else None)
+    return rtp_compile.transform(
+        model, world_size, **options, example_kwargs=example if family.path == "export" else None
+    )
 
 
 def call(module, inputs: dict) -> torch.Tensor:
@@ -70,11 +84,14 @@ def _errors(errors: dict, tol: float) -> list:
 
 
 def _max_diff(got: dict, want: dict) -> float:
-    return max(((got[k].double() - want[k].double()).abs().max().item() if want[k].numel()
-                else 0.0) for k in want)
+    return max(
+        ((got[k].double() - want[k].double()).abs().max().item() if want[k].numel() else 0.0)
+        for k in want
+    )
 
 
 # --- cells sharing one program per family (and world size) ------------------------------------
+
 
 class Shared:
     """One transform of a float64 model that several cells use in turn; each cell starts by
@@ -98,12 +115,15 @@ def cell_full_state_dict(s: Shared) -> list:
     load_full_state_dict of a perturbed one gives that back exactly. Runs first: `model` is
     still the one the program was made from."""
     full, expected = s.prog.full_state_dict(s.gm), s.model.state_dict()
-    checks = [["keys equal state_dict's, in order", list(full) == list(expected), "==", True],
-              ["max |full - state_dict|", _max_diff(full, expected), "<=", 0.0]]
+    checks = [
+        ["keys equal state_dict's, in order", list(full) == list(expected), "==", True],
+        ["max |full - state_dict|", _max_diff(full, expected), "<=", 0.0],
+    ]
     perturbed = {k: v + 0.5 if v.is_floating_point() else v for k, v in expected.items()}
     s.prog.load_full_state_dict(s.gm, perturbed)
-    checks.append(["max |loaded - perturbed|",
-                   _max_diff(s.prog.full_state_dict(s.gm), perturbed), "<=", 0.0])
+    checks.append(
+        ["max |loaded - perturbed|", _max_diff(s.prog.full_state_dict(s.gm), perturbed), "<=", 0.0]
+    )
     s.prog.load_full_state_dict(s.gm, expected)
     return checks
 
@@ -112,8 +132,10 @@ def cell_plain(s: Shared) -> list:
     """Two AdamW steps next to DDP: the first output (vs the unsharded model), the first
     gradients and the parameters after each step (vs DDP)."""
     s.sync()
-    return _errors(train_next_to_ddp(s.prog, s.gm, s.model, s.batches, s.seed, call, logits_of),
-                   tolerance(s.family))
+    return _errors(
+        train_next_to_ddp(s.prog, s.gm, s.model, s.batches, s.seed, call, logits_of),
+        tolerance(s.family),
+    )
 
 
 def _ddp_grads(prog, ddp) -> dict:
@@ -130,8 +152,10 @@ def cell_clip(s: Shared) -> list:
     reference = torch.nn.utils.get_total_norm([p.grad for p in ddp.parameters()])
     total = rtp_compile.clip_grad_norm_(s.gm, reference.item() / 3)
     torch.nn.utils.clip_grad_norm_(ddp.parameters(), reference.item() / 3)
-    errors = {"total norm": rel_err(total, reference),
-              "clipped grad": grad_errors(gathered_grads(s.prog, s.gm), _ddp_grads(s.prog, ddp))}
+    errors = {
+        "total norm": rel_err(total, reference),
+        "clipped grad": grad_errors(gathered_grads(s.prog, s.gm), _ddp_grads(s.prog, ddp)),
+    }
     s.gm.zero_grad(set_to_none=True)
     return _errors(errors, tolerance(s.family))
 
@@ -141,19 +165,21 @@ def cell_accumulation(s: Shared) -> list:
     doing the same: the accumulated gradients and the parameters after the step."""
     s.sync()
     ddp = DDP(copy.deepcopy(s.model))
-    opts = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.1, eps=1e-6)
-            for m in (s.gm, ddp)]
+    opts = [
+        torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.1, eps=1e-6) for m in (s.gm, ddp)
+    ]
     micro = [s.batches[0], {k: v[:1] for k, v in s.batches[1].items()}]
     for step, inputs in enumerate(micro):
         for module in (s.gm, ddp):
             loss_of(call(module, inputs), s.seed + step).backward()
-    errors = {"accumulated grad": grad_errors(gathered_grads(s.prog, s.gm),
-                                              _ddp_grads(s.prog, ddp))}
+    errors = {
+        "accumulated grad": grad_errors(gathered_grads(s.prog, s.gm), _ddp_grads(s.prog, ddp))
+    }
     for opt in opts:
         opt.step()
-    errors["param after the step"] = param_errors(s.prog.full_state_dict(s.gm),
-                                                  ddp.module.state_dict(),
-                                                  parameter_keys(s.model))
+    errors["param after the step"] = param_errors(
+        s.prog.full_state_dict(s.gm), ddp.module.state_dict(), parameter_keys(s.model)
+    )
     s.gm.zero_grad(set_to_none=True)
     return _errors(errors, tolerance(s.family))
 
@@ -165,7 +191,9 @@ def cell_checkpoint(s: Shared) -> list:
     are the first rank's, as with DDP) exactly, and `extra` is this rank's (rank 0's for a
     rank that did not save)."""
     from checkpoint_jobs import full_state_and_moments
+
     from rtp_compile.state import dcp as checkpoint
+
     path = os.path.join(s.workdir, "checkpoint", s.family.id)
     if s.world_size == 2:
         opt = torch.optim.AdamW(s.gm.parameters(), lr=LR, weight_decay=0.1)
@@ -186,34 +214,52 @@ def cell_checkpoint(s: Shared) -> list:
     extra = checkpoint.load(path, s.gm, opt)
     expected = torch.load(f"{path}.expected.pt", weights_only=False)
     loaded = full_state_and_moments(s.prog, s.gm, opt)
-    moments = max(max((torch.as_tensor(a).double() - torch.as_tensor(b).double()).abs().max()
-                      .item() for a, b in zip(loaded["moments"][n], values))
-                  for n, values in expected["moments"].items())
-    return [["state keys equal the saved ones", list(loaded["state"]) == list(expected["state"]),
-             "==", True],
-            ["max |state - saved|", _max_diff(loaded["state"], expected["state"]), "<=", 0.0],
-            ["max |AdamW moments, step - saved|", moments, "<=", 0.0],
-            ["extra saved by rank", extra["rank"], "==", s.rank if s.rank < 2 else 0]]
+    moments = max(
+        max(
+            (torch.as_tensor(a).double() - torch.as_tensor(b).double()).abs().max().item()
+            for a, b in zip(loaded["moments"][n], values)
+        )
+        for n, values in expected["moments"].items()
+    )
+    return [
+        [
+            "state keys equal the saved ones",
+            list(loaded["state"]) == list(expected["state"]),
+            "==",
+            True,
+        ],
+        ["max |state - saved|", _max_diff(loaded["state"], expected["state"]), "<=", 0.0],
+        ["max |AdamW moments, step - saved|", moments, "<=", 0.0],
+        ["extra saved by rank", extra["rank"], "==", s.rank if s.rank < 2 else 0],
+    ]
 
 
-SHARED = {"full_state_dict": cell_full_state_dict, "plain": cell_plain, "clip": cell_clip,
-          "accumulation": cell_accumulation, "checkpoint": cell_checkpoint}
+SHARED = {
+    "full_state_dict": cell_full_state_dict,
+    "plain": cell_plain,
+    "clip": cell_clip,
+    "accumulation": cell_accumulation,
+    "checkpoint": cell_checkpoint,
+}
 
 
 # --- cells with a program of their own --------------------------------------------------------
 
+
 @functools.cache
 def _mesh(shape: tuple[int, ...]):
     from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh("cpu", shape, mesh_dim_names=("dp", "rtp")[-len(shape):])
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=("dp", "rtp")[-len(shape) :])
 
 
 def _ce_loss(out: torch.Tensor, seed: int) -> torch.Tensor:
     """Cross-entropy of the output's last dim against random labels: about ln(classes), so
     relative gaps between losses mean something."""
     flat = out.float().reshape(-1, out.shape[-1])
-    labels = torch.randint(0, flat.shape[1], (flat.shape[0],),
-                           generator=torch.Generator().manual_seed(seed))
+    labels = torch.randint(
+        0, flat.shape[1], (flat.shape[0],), generator=torch.Generator().manual_seed(seed)
+    )
     return F.cross_entropy(flat, labels)
 
 
@@ -241,6 +287,7 @@ def cell_mixed_precision(family, rank: int, world_size: int, seed: int) -> list:
     FSDP2 in float32 (the largest over ranks; floor 2^-9); the output in FSDP2-bf16's
     dtype (computed in bfloat16); the shards stay float32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     batches = [make_batch(family, seed, rank, step, torch.float32) for step in range(3)]
     losses = {}
@@ -253,8 +300,9 @@ def cell_mixed_precision(family, rank: int, world_size: int, seed: int) -> list:
                 fully_shard(module, mesh=_mesh((world_size,)))
         fsdp = fully_shard(model, mesh=_mesh((world_size,)), **options)
         losses[name] = _losses(fsdp, fsdp.parameters(), batches, seed)
-    prog = transform(family, build(family, seed, torch.float32), world_size, batches[0],
-                     mp_policy=policy)
+    prog = transform(
+        family, build(family, seed, torch.float32), world_size, batches[0], mp_policy=policy
+    )
     gm = prog.module(rank)
     rtp, dtype = _losses(gm, gm.parameters(), batches, seed)
     (bf16, bf16_dtype), (fp32, _) = losses["bf16"], losses["fp32"]
@@ -263,10 +311,11 @@ def cell_mixed_precision(family, rank: int, world_size: int, seed: int) -> list:
     # bf16's unit roundoff 2^-9, the rounding of each logit
     noise = torch.tensor(_gap(bf16, fp32))
     dist.all_reduce(noise, op=dist.ReduceOp.MAX)
-    return [["loss gap to FSDP2-bf16", _gap(rtp, bf16), "<=", max(4 * noise.item(), 2 ** -9)],
-            ["output dtype", str(dtype), "==", str(bf16_dtype)],
-            ["shards float32", {p.dtype for p in gm.parameters()} == {torch.float32}, "==",
-             True]]
+    return [
+        ["loss gap to FSDP2-bf16", _gap(rtp, bf16), "<=", max(4 * noise.item(), 2**-9)],
+        ["output dtype", str(dtype), "==", str(bf16_dtype)],
+        ["shards float32", {p.dtype for p in gm.parameters()} == {torch.float32}, "==", True],
+    ]
 
 
 class Checkpointed(nn.Module):
@@ -279,8 +328,7 @@ class Checkpointed(nn.Module):
         self.block = block
 
     def forward(self, *args, **kwargs):
-        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False,
-                                                 **kwargs)
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False, **kwargs)
 
     def __getattr__(self, name):
         try:
@@ -294,6 +342,7 @@ class Checkpointed(nn.Module):
 def checkpoint_layers(model: nn.Module) -> int:
     """Wrap every layer of the outermost nn.ModuleLists in Checkpointed (a model without one:
     each of its children that holds parameters); how many."""
+
     def wrap(module: nn.Module) -> int:
         count = 0
         for child in module.children():
@@ -314,17 +363,23 @@ def checkpoint_layers(model: nn.Module) -> int:
     return count
 
 
-def _checkpointed_like_ddp(family, model, layers: int, rank: int, world_size: int,
-                           seed: int) -> list:
+def _checkpointed_like_ddp(
+    family, model, layers: int, rank: int, world_size: int, seed: int
+) -> list:
     batches = [make_batch(family, seed, rank, step) for step in range(2)]
     prog = transform(family, model, world_size, batches[0])
     gm = prog.module(rank)
-    regions = sum(1 for name, _ in gm.named_modules()
-                  if name.startswith("rtp_checkpoints.") and name.count(".") == 1)
-    return [[f"checkpointed regions in the rank program (of {layers} layers)", regions, "==",
-             layers],
-            *_errors(train_next_to_ddp(prog, gm, model, batches, seed, call, logits_of),
-                     tolerance(family))]
+    regions = sum(
+        1
+        for name, _ in gm.named_modules()
+        if name.startswith("rtp_checkpoints.") and name.count(".") == 1
+    )
+    return [
+        [f"checkpointed regions in the rank program (of {layers} layers)", regions, "==", layers],
+        *_errors(
+            train_next_to_ddp(prog, gm, model, batches, seed, call, logits_of), tolerance(family)
+        ),
+    ]
 
 
 def cell_ac_model(family, rank: int, world_size: int, seed: int) -> list:
@@ -333,8 +388,11 @@ def cell_ac_model(family, rank: int, world_size: int, seed: int) -> list:
     model = build(family, seed)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     from transformers.modeling_layers import GradientCheckpointingLayer
-    layers = sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
-                 for m in model.modules())
+
+    layers = sum(
+        isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
+        for m in model.modules()
+    )
     return _checkpointed_like_ddp(family, model, layers, rank, world_size, seed)
 
 
@@ -354,6 +412,7 @@ def cell_inductor(family, rank: int, world_size: int, seed: int) -> list:
     """float32: torch.compile(prog.module(rank), fullgraph=True) with inductor, one step: its
     output vs the unsharded model's and its gradients vs DDP's (1e-5); one frame compiled."""
     from torch._dynamo.testing import CompileCounterWithBackend
+
     torch._dynamo.reset()
     model = build(family, seed, torch.float32)
     inputs = make_batch(family, seed, rank, 0, torch.float32)
@@ -400,6 +459,7 @@ def cell_backend(family, rank: int, world_size: int, seed: int, contract: str) -
     parameters and gradients: between 0.8 / N and 1.25 / N, as tests/test_backend.py bounds it.
     (a): load_full_state_dict round trip."""
     from backend_jobs import train_compiled_next_to_ddp
+
     torch._dynamo.reset()
     before = _live_storages(parameters=True)
     model = build(family, seed)
@@ -410,36 +470,64 @@ def cell_backend(family, rank: int, world_size: int, seed: int, contract: str) -
 
     with _shard_examples(family, tokens(rank, seed)):
         result, opt, compiled = train_compiled_next_to_ddp(
-            model, lambda m, inputs: m(**inputs), logits_of, tokens, rank, seed, contract,
-            backend=rtp_compile.backend(world_size=world_size))
+            model,
+            lambda m, inputs: m(**inputs),
+            logits_of,
+            tokens,
+            rank,
+            seed,
+            contract,
+            backend=rtp_compile.backend(world_size=world_size),
+        )
     loss_of(call(compiled, tokens(rank, seed)), seed).backward()
-    held = sum(t.untyped_storage().nbytes() for ptr, t in _live_storages(parameters=True).items()
-               if ptr not in before) / full
+    held = (
+        sum(
+            t.untyped_storage().nbytes()
+            for ptr, t in _live_storages(parameters=True).items()
+            if ptr not in before
+        )
+        / full
+    )
     graphs = result["graphs"]
     # backend_jobs' own "load" adds 0.5 to integer buffers too (BatchNorm's count)
-    whats = ["output", "loss", "grad", "param"] + \
-        (["eager", "eager_grad", "clip"] if contract == "a" else [])
+    whats = ["output", "loss", "grad", "param"] + (
+        ["eager", "eager_grad", "clip"] if contract == "a" else []
+    )
     # in float32 the first output and gradients are held to float32's rounding; what follows
     # AdamW steps (later losses, the parameters, the eager run and clip after them) to what
     # AdamW's update makes of it
     tol = tolerance(family, compiled=True)
     first = ("output", "grad")
-    checks = [*_errors({w: result[w] for w in whats if w in first}, tol),
-              *_errors({w: result[w] for w in whats if w not in first},
-                       F32_AFTER_ADAMW if tol == F32 else tol),
-              ["every parameter has a shard (the backend ran)", result["sharded"], "==", True],
-              [f"no recompile on equal shapes (graphs after each step: {graphs})",
-               graphs[0] >= 1 and graphs == [graphs[0]] * len(graphs), "==", True],
-              ["held / (full parameters and gradients) x N", held * world_size, "<=", 1.25],
-              ["held / (full parameters and gradients) x N, at least", held * world_size, ">=",
-               0.8]]
+    checks = [
+        *_errors({w: result[w] for w in whats if w in first}, tol),
+        *_errors(
+            {w: result[w] for w in whats if w not in first}, F32_AFTER_ADAMW if tol == F32 else tol
+        ),
+        ["every parameter has a shard (the backend ran)", result["sharded"], "==", True],
+        [
+            f"no recompile on equal shapes (graphs after each step: {graphs})",
+            graphs[0] >= 1 and graphs == [graphs[0]] * len(graphs),
+            "==",
+            True,
+        ],
+        ["held / (full parameters and gradients) x N", held * world_size, "<=", 1.25],
+        ["held / (full parameters and gradients) x N, at least", held * world_size, ">=", 0.8],
+    ]
     if contract == "a":
-        target = {k: v + 0.25 if v.is_floating_point() else v + 1
-                  for k, v in rtp_compile.full_state_dict(model).items()}
+        target = {
+            k: v + 0.25 if v.is_floating_point() else v + 1
+            for k, v in rtp_compile.full_state_dict(model).items()
+        }
         rtp_compile.load_full_state_dict(model, target)
-        checks += [["full_state_dict keys are state_dict's", result["keys"], "==", True],
-                   ["max |loaded - load_full_state_dict's|",
-                    _max_diff(rtp_compile.full_state_dict(model), target), "<=", 0.0]]
+        checks += [
+            ["full_state_dict keys are state_dict's", result["keys"], "==", True],
+            [
+                "max |loaded - load_full_state_dict's|",
+                _max_diff(rtp_compile.full_state_dict(model), target),
+                "<=",
+                0.0,
+            ],
+        ]
     del opt, compiled
     torch._dynamo.reset()
     return checks
@@ -450,6 +538,7 @@ def _live_storages(parameters: bool = False) -> dict[int, torch.Tensor]:
     tensor on it (holding it keeps the address from being reused). `parameters`: only
     nn.Parameters and gradients (what backend_jobs.held_fraction counts)."""
     from torch._subclasses.fake_tensor import FakeTensor
+
     gc.collect()
     out = {}
     with warnings.catch_warnings():
@@ -471,8 +560,9 @@ def _live_storages(parameters: bool = False) -> dict[int, torch.Tensor]:
 def state_bytes(tensor_bytes) -> int:
     """Parameters, gradients and AdamW's state (exp_avg, exp_avg_sq, a scalar step) of
     parameters of `tensor_bytes` each, exactly."""
-    step = torch.tensor(0.0, dtype=torch.float64 if torch.get_default_dtype() == torch.float64
-                        else torch.float32).element_size()
+    step = torch.tensor(
+        0.0, dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    ).element_size()
     return sum(4 * nbytes + step for nbytes in tensor_bytes)
 
 
@@ -496,12 +586,21 @@ def cell_memory(family, rank: int, world_size: int, seed: int) -> list:
     loss_of(call(gm, inputs), seed).backward()
     opt.step()
     batch = {t.untyped_storage().data_ptr() for t in inputs.values()}
-    held = sum(t.untyped_storage().nbytes() for ptr, t in _live_storages().items()
-               if ptr not in before and ptr not in batch)
-    return [["held / ((parameters + gradients + AdamW state of the shards) / N)",
-             held / shards, "<=", 1.10],
-            ["the user's model freed", model_alive() is None, "==", True],
-            ["its parameter freed", param_alive() is None, "==", True]]
+    held = sum(
+        t.untyped_storage().nbytes()
+        for ptr, t in _live_storages().items()
+        if ptr not in before and ptr not in batch
+    )
+    return [
+        [
+            "held / ((parameters + gradients + AdamW state of the shards) / N)",
+            held / shards,
+            "<=",
+            1.10,
+        ],
+        ["the user's model freed", model_alive() is None, "==", True],
+        ["its parameter freed", param_alive() is None, "==", True],
+    ]
 
 
 def cell_mesh(family, rank: int, world_size: int, seed: int) -> list:
@@ -512,17 +611,25 @@ def cell_mesh(family, rank: int, world_size: int, seed: int) -> list:
     batches = [make_batch(family, seed, rank, step) for step in range(2)]
     prog = transform(family, model, 2, batches[0])
     gm = prog.module(mesh=mesh)
-    return _errors(train_next_to_ddp(prog, gm, model, batches, seed, call, logits_of,
-                                     mesh.get_group(1)), tolerance(family))
+    return _errors(
+        train_next_to_ddp(prog, gm, model, batches, seed, call, logits_of, mesh.get_group(1)),
+        tolerance(family),
+    )
 
 
-OWN = {"mixed_precision": cell_mixed_precision, "ac_model": cell_ac_model,
-       "ac_user": cell_ac_user, "inductor": cell_inductor,
-       "backend_a": functools.partial(cell_backend, contract="a"),
-       "backend_b": functools.partial(cell_backend, contract="b"), "mesh": cell_mesh}
+OWN = {
+    "mixed_precision": cell_mixed_precision,
+    "ac_model": cell_ac_model,
+    "ac_user": cell_ac_user,
+    "inductor": cell_inductor,
+    "backend_a": functools.partial(cell_backend, contract="a"),
+    "backend_b": functools.partial(cell_backend, contract="b"),
+    "mesh": cell_mesh,
+}
 
 
 # --- the launch ------------------------------------------------------------------------------
+
 
 def _run(progress, key: str, fn, *args) -> dict:
     """fn(*args)'s checks, or the error it raised (its type and first line), and its time."""
@@ -532,15 +639,21 @@ def _run(progress, key: str, fn, *args) -> dict:
     try:
         return {"checks": fn(*args), "error": None, "seconds": time.monotonic() - start}
     except Exception as err:  # noqa: BLE001 - a failed cell, whatever it raised
-        return {"checks": [], "error": _first_line(err), "trace": traceback.format_exc()[-4000:],
-                "seconds": time.monotonic() - start}
+        return {
+            "checks": [],
+            "error": _first_line(err),
+            "trace": traceback.format_exc()[-4000:],
+            "seconds": time.monotonic() - start,
+        }
 
 
 def _first_line(err: BaseException) -> str:
     """Type and first line of `err`, and of the first error it was raised while handling (a
     GraphModule re-raising under dynamo says only "Attempt to trace generator")."""
+
     def line(e):
         return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:200]
+
     first = err
     while first.__context__ is not None and first.__context__ is not first:
         first = first.__context__
@@ -561,8 +674,9 @@ def run_cells(rank: int, world_size: int, cells: list, seed: int, workdir: str) 
     with open(os.path.join(workdir, f"progress-{size}-rank{rank}.txt"), "w") as progress:
         for family in FAMILIES:
             if ("memory", family.id) in todo:
-                out[("memory", family.id)] = _run(progress, f"memory {family.id}", cell_memory,
-                                                  family, rank, world_size, seed)
+                out[("memory", family.id)] = _run(
+                    progress, f"memory {family.id}", cell_memory, family, rank, world_size, seed
+                )
         for family in FAMILIES:
             shared = [f for f in SHARED if (f, family.id) in todo]
             if shared:
@@ -574,12 +688,15 @@ def run_cells(rank: int, world_size: int, cells: list, seed: int, workdir: str) 
 
                 out[("setup", family.id)] = _run(progress, f"setup {family.id}", setup)
                 for feature in shared:  # a failed setup fails them with its error
-                    out[(feature, family.id)] = _run(progress, f"{feature} {family.id}",
-                                                     SHARED[feature], holder[0]) if holder \
+                    out[(feature, family.id)] = (
+                        _run(progress, f"{feature} {family.id}", SHARED[feature], holder[0])
+                        if holder
                         else {**out[("setup", family.id)], "seconds": 0.0}
+                    )
                 holder.clear()
             for feature, fn in OWN.items():
                 if (feature, family.id) in todo:
-                    out[(feature, family.id)] = _run(progress, f"{feature} {family.id}", fn,
-                                                     family, rank, world_size, seed)
+                    out[(feature, family.id)] = _run(
+                        progress, f"{feature} {family.id}", fn, family, rank, world_size, seed
+                    )
     return out

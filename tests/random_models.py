@@ -8,26 +8,29 @@ bias), a conv over the length, norms (LayerNorm, RMSNorm, RMSNorm that casts its
 key is renamed by state-dict hooks. Widths include 1 and primes. Optionally tokens in through an
 embedding and logits out through a head tied to it.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from decoders import CastRMSNorm
 from hypothesis import strategies as st
 from torch import nn
-
-from decoders import CastRMSNorm
 
 WIDTHS = st.sampled_from([1, 2, 3, 5, 6, 7, 11, 13])
 
 LAYERS = st.one_of(
     st.tuples(st.just("linear"), WIDTHS, st.booleans()),
     st.tuples(st.just("conv"), WIDTHS, st.sampled_from([1, 3])),
-    st.tuples(st.just("norm"), st.sampled_from(["layer", "rms", "cast", "float", "gemma",
-                                                "scale"])),
+    st.tuples(
+        st.just("norm"), st.sampled_from(["layer", "rms", "cast", "float", "gemma", "scale"])
+    ),
     st.tuples(st.just("act"), st.sampled_from(["gelu", "tanh"])),
     st.tuples(st.just("mlp"), WIDTHS),
     st.tuples(st.just("attention"), st.integers(1, 4), st.integers(1, 3)),
-    st.tuples(st.just("twice"),),
+    st.tuples(
+        st.just("twice"),
+    ),
     st.tuples(st.just("hooked"), WIDTHS),
 )
 
@@ -48,9 +51,13 @@ def model_specs(draw) -> dict:
         d = args[0] if kind in ("linear", "conv", "hooked") else d
     if vocab is None and all(kind == "act" for kind, *_ in layers):
         layers.append(("linear", draw(WIDTHS), True))
-    return {"width": width, "vocab": vocab, "layers": layers,
-            "tied_head": vocab is not None and draw(st.booleans()),
-            "capture": draw(st.sampled_from(["fx", "export"]))}
+    return {
+        "width": width,
+        "vocab": vocab,
+        "layers": layers,
+        "tied_head": vocab is not None and draw(st.booleans()),
+        "capture": draw(st.sampled_from(["fx", "export"])),
+    }
 
 
 class LayerScale(nn.Module):
@@ -90,8 +97,10 @@ class Attention(nn.Module):
         self.o = nn.Linear(heads * head_dim, d)
 
     def forward(self, x):  # sizes by unflatten / flatten: torch.fx traces it too
-        q, k, v = (p(x).unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
-                   for p in (self.q, self.k, self.v))
+        q, k, v = (
+            p(x).unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+            for p in (self.q, self.k, self.v)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return x + self.o(y.transpose(1, 2).flatten(-2))
 

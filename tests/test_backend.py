@@ -7,17 +7,18 @@ and a no_grad evaluation keep parity without recompiling on repeated shapes; rel
 parameters give clear errors instead of crashing. Each job also checks that the backend ran
 (dynamo falls back to eager silently on some errors): every parameter has a shard.
 """
+
 import importlib
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
+from backend_jobs import compiled_parity, default_backend, graph_breaks, mixed_precision
 from torch import nn
 
 import rtp_compile
-from backend_jobs import compiled_parity, default_backend, graph_breaks, mixed_precision
 from rtp_compile.compiler.transform import transform
 
 TOL = 1e-9
@@ -36,11 +37,13 @@ def _check_parity(results, world_size):
             for what in ("output", "loss", "grad", "param"):
                 assert r[what] <= TOL, f"{where}: {what} rel. error {r[what]:.2e}"
             assert r["sharded"], f"{where}: a parameter has no shard (the backend did not run)"
-            assert r["graphs"] == [r["graphs"][0]] * len(r["graphs"]) and r["graphs"][0] >= 1, \
+            assert r["graphs"] == [r["graphs"][0]] * len(r["graphs"]) and r["graphs"][0] >= 1, (
                 f"{where}: graphs compiled per step {r['graphs']} (recompiled on equal shapes)"
+            )
             # every live parameter and gradient: the shards (with their padding) and theirs
-            assert 0.8 / world_size <= r["held"] <= 1.25 / world_size, \
+            assert 0.8 / world_size <= r["held"] <= 1.25 / world_size, (
                 f"{where}: holds {r['held']:.3f} of the full parameters and gradients"
+            )
             if contract == "a":
                 assert r["keys"], f"{where}: full_state_dict keys differ from state_dict's"
                 # the sharded model run uncompiled, clipped, loaded
@@ -83,12 +86,17 @@ def test_default_backend_compiles_one_frame_per_rank_program(seed):
     copy of a tensor each call binds (a buffer)."""
     results = rtp_compile.launch(default_backend, 2, args=("llama", seed), timeout=380)
     for rank, r in enumerate(results):
-        assert r["programs"] >= 1 and r["rank_frames"] == r["programs"], \
+        assert r["programs"] >= 1 and r["rank_frames"] == r["programs"], (
             f"rank {rank}: {r['rank_frames']} frames compiled for {r['programs']} rank programs"
+        )
         # the losses after the first step follow from parameters AdamW moved (see
         # F32_PARAMS_AFTER_ADAMW): measured up to 2.1e-4 (the full suite of 2026-12-05)
-        for what, tol in (("output", F32), ("grad", F32), ("loss", F32_PARAMS_AFTER_ADAMW),
-                          ("param", F32_PARAMS_AFTER_ADAMW)):
+        for what, tol in (
+            ("output", F32),
+            ("grad", F32),
+            ("loss", F32_PARAMS_AFTER_ADAMW),
+            ("param", F32_PARAMS_AFTER_ADAMW),
+        ):
             assert r[what] <= tol, f"rank {rank}: {what} rel. error {r[what]:.2e}"
         assert r["graphs"] == [r["programs"]] * 2, f"rank {rank}: recompiled {r['graphs']}"
         assert r["sharded"], f"rank {rank}: a parameter has no shard (the backend did not run)"
@@ -115,10 +123,14 @@ def test_graph_breaks_batch_sizes_and_no_grad(seed):
         graphs = r["graphs"]
         assert graphs[0] >= 2, f"rank {rank}: the break made {graphs[0]} graph(s)"
         # steps with rows 2, 2, 2, 3, 3, 2, then no_grad: compiles only on new shapes / modes
-        assert graphs[0] == graphs[1] == graphs[2] and graphs[3] == graphs[4] == graphs[5] \
-            and graphs[3] > graphs[2] and graphs[6] > graphs[5], graphs
+        assert (
+            graphs[0] == graphs[1] == graphs[2]
+            and graphs[3] == graphs[4] == graphs[5]
+            and graphs[3] > graphs[2]
+            and graphs[6] > graphs[5]
+        ), graphs
         assert r["frames"][0] == r["frames"][2] and r["frames"][3] == r["frames"][5], r["frames"]
-        assert r["rank_modules"] == graphs[6]   # each went through the rank_compiler seam
+        assert r["rank_modules"] == graphs[6]  # each went through the rank_compiler seam
         assert r["one_shard_each"] and r["tied_layout"] == 1, r["plans"]
         assert r["released"]
         for what, message in r["errors"].items():
@@ -133,7 +145,9 @@ def test_rtp_backend_is_registered_once_and_as_an_entry_point():
     register a duplicate, which dynamo would refuse), and pyproject names it as a
     torch_dynamo_backends entry point that loads the same function."""
     from torch._dynamo.backends.registry import lookup_backend
+
     from rtp_compile.compile_backend.backend import rtp_backend
+
     assert lookup_backend("rtp") is rtp_backend
     importlib.reload(sys.modules["rtp_compile"])
     assert "rtp" in torch._dynamo.list_backends()
@@ -190,13 +204,15 @@ def test_mixed_precision_through_the_backend_is_fsdp2s(seed):
     gradients to bfloat16 rounding: within twice FSDP2-bf16's own distance from float32. The
     same policy on a model not sharded with it is refused, saying to shard it first (its graph
     holds the float32 dtypes its code derived)."""
-    results = rtp_compile.launch(mixed_precision, 2, args=(["tinygpt", "gpt2", "llama"], seed),
-                                 timeout=240)
+    results = rtp_compile.launch(
+        mixed_precision, 2, args=(["tinygpt", "gpt2", "llama"], seed), timeout=240
+    )
     for rank, per_model in enumerate(results):
         for name, r in per_model.items():
             (fp32_loss, fp32), (fsdp_loss, fsdp), (rtp_loss, rtp) = r["fp32"], r["fsdp2"], r["rtp"]
             gap = _global_rel(fsdp, fp32)
             assert _global_rel(rtp, fsdp) <= max(2 * gap, 1e-3), (rank, name, gap)
-            assert abs(rtp_loss - fsdp_loss) <= max(2 * abs(fsdp_loss - fp32_loss),
-                                                    1e-3 * abs(fsdp_loss)), (rank, name)
+            assert abs(rtp_loss - fsdp_loss) <= max(
+                2 * abs(fsdp_loss - fp32_loss), 1e-3 * abs(fsdp_loss)
+            ), (rank, name)
             assert "shard it first with the backend's policy" in r["refused"], r["refused"]

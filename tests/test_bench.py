@@ -1,12 +1,13 @@
 """`rtp-compile bench` runs end to end on a tiny model (a smoke run for correctness: no timing
 is asserted): every kind measured, RTP's messages and bytes as its plan says, a trace and a
 plot saved; the tensor-parallel baseline computes what the model computes."""
+
 import json
 
 import pytest
+from jobs import tensor_parallel_matches
 
 import rtp_compile
-from jobs import tensor_parallel_matches
 from rtp_compile.apps.bench_speed import KINDS, PRESETS, run
 from rtp_compile.apps.models import TinyGPT
 

@@ -2,14 +2,20 @@
 step. Parity with DDP at 2, 3 and 4 ranks on models with uneven sizes (padded shards), fused
 and plain units and tied weights; the messages a step sends, counted by the ring; what a
 bucket holds, measured; two forwards before one backward; the pass's invariant."""
+
 import pytest
+from jobs import (
+    accumulate_like_ddp,
+    bucket_buffers,
+    bucket_parity,
+    no_grad_then_train,
+    two_forwards_then_backward,
+)
+from zoo import build
 
 import rtp_compile
-from jobs import (accumulate_like_ddp, bucket_buffers, bucket_parity, no_grad_then_train,
-                  two_forwards_then_backward)
 from rtp_compile.passes import PIPELINE
 from rtp_compile.passes.manager.pipeline import InvariantError, run_pipeline
-from zoo import build
 
 ALL = 1 << 40  # one bucket for every run of units that may share one
 
@@ -18,8 +24,11 @@ def expected_messages(prog) -> int:
     """3 (N - 1) per bucket and per unit outside one, 2 (N - 1) for the small parameters."""
     n = prog.ctx.world_size
     bucketed = {m for members in prog.ctx.buckets.values() for m in members}
-    units = [u for u in prog.plan.units if u.kind in ("rotate", "fused", "gather")
-             and u.name not in bucketed]
+    units = [
+        u
+        for u in prog.plan.units
+        if u.kind in ("rotate", "fused", "gather") and u.name not in bucketed
+    ]
     small = any(u.kind == "small" for u in prog.plan.units)
     return 3 * (n - 1) * (len(prog.ctx.buckets) + len(units)) + 2 * (n - 1) * small
 
@@ -43,8 +52,9 @@ def test_buckets_train_like_ddp_and_send_one_message_per_step(world_size, seed):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_a_bucket_holds_at_most_its_budget_measured(world_size, seed):
-    for rank, r in enumerate(rtp_compile.launch(bucket_buffers, world_size, args=(seed,),
-                                                timeout=120)):
+    for rank, r in enumerate(
+        rtp_compile.launch(bucket_buffers, world_size, args=(seed,), timeout=120)
+    ):
         assert r["units"] == (2, 2)  # the fused block and the last linear: one bucket
         # forward: the N - 1 messages that arrived (the rank's own shards are its parameters)
         assert r["forward_bytes"] == (world_size - 1) * r["message"], (rank, r)
@@ -67,13 +77,22 @@ def test_bucketed_accumulation_no_grad_and_two_forwards_match_ddp(seed):
 def test_buckets_follow_the_budget_dtype_and_ties():
     model = build("gpt", 0)
     default = rtp_compile.transform(model, 3)  # on by default: within the largest unit gathered
-    largest = max(3 * sum(default.plan.params[p].shard_bytes for p in u.params.values())
-                  for u in default.plan.units if u.kind in ("rotate", "fused"))
+    largest = max(
+        3 * sum(default.plan.params[p].shard_bytes for p in u.params.values())
+        for u in default.plan.units
+        if u.kind in ("rotate", "fused")
+    )
     assert default.ctx.buckets
     for members in default.ctx.buckets.values():
-        assert 3 * sum(default.plan.params[p].shard_bytes for m in members
-                       for p in {u.name: u for u in default.plan.units}[m].params.values()) \
+        assert (
+            3
+            * sum(
+                default.plan.params[p].shard_bytes
+                for m in members
+                for p in {u.name: u for u in default.plan.units}[m].params.values()
+            )
             <= largest
+        )
     assert rtp_compile.transform(model, 3, bucket_bytes=0).ctx.buckets == {}
     assert rtp_compile.transform(model, 1, bucket_bytes=ALL).ctx.buckets == {}
     prog = rtp_compile.transform(model, 3, bucket_bytes=ALL)
@@ -83,8 +102,13 @@ def test_buckets_follow_the_budget_dtype_and_ties():
     assert not set(tied) & {m for members in prog.ctx.buckets.values() for m in members}
     small = rtp_compile.transform(model, 3, bucket_bytes=6000)
     for members in small.ctx.buckets.values():
-        assert 3 * sum(small.plan.params[p].shard_bytes for m in members
-                       for p in units[m].params.values()) <= 6000
+        assert (
+            3
+            * sum(
+                small.plan.params[p].shard_bytes for m in members for p in units[m].params.values()
+            )
+            <= 6000
+        )
     assert len(small.ctx.buckets) > len(prog.ctx.buckets)
     with pytest.raises(ValueError, match="bucket_bytes must be None or an int >= 0"):
         rtp_compile.transform(model, 2, bucket_bytes=-1)
@@ -93,7 +117,7 @@ def test_buckets_follow_the_budget_dtype_and_ties():
 def test_bucket_invariant_catches_a_bucket_over_its_budget():
     ctx = rtp_compile.transform(build("gpt", 0), 3, bucket_bytes=6000).ctx.for_world_size(3)
     at = [p.__name__ for p in PIPELINE].index("bucket_units")
-    gm = run_pipeline(PIPELINE[:at + 1], ctx.fresh_graph(), ctx)  # up to the bucket pass
+    gm = run_pipeline(PIPELINE[: at + 1], ctx.fresh_graph(), ctx)  # up to the bucket pass
     PIPELINE[at].check(gm, ctx)  # as compiled: holds
     name, members = next(iter(ctx.buckets.items()))
     order = [u.name for u in ctx.plan.units if u.kind in ("rotate", "fused")]

@@ -3,12 +3,13 @@ or drops size-1 dims, arithmetic with a Python scalar. The elementwise op still 
 small, is gathered once per step) and applies the chain to each shard; a chain a shard cannot
 go through stays gathered, with the reason. The rule's steps themselves are checked shard by
 shard against autograd in tests/test_passes.py (RULE_CASES with chains)."""
+
 import pytest
 import torch
+from jobs import decoder_parity
 from torch import nn
 
 import rtp_compile
-from jobs import decoder_parity
 
 # name -> the op of activation h (from input x) and parameter w; one weight per chain kind
 CHAINS = {
@@ -29,14 +30,14 @@ class Chains(nn.Module):
     def __init__(self, d=6, hidden=11):
         super().__init__()
         self.fc = nn.Linear(d, hidden)
-        self.w = nn.ParameterDict({f"w_{k}": nn.Parameter(1 + 0.1 * torch.randn(hidden))
-                                   for k in CHAINS})
+        self.w = nn.ParameterDict(
+            {f"w_{k}": nn.Parameter(1 + 0.1 * torch.randn(hidden)) for k in CHAINS}
+        )
 
     def forward(self, x):
         h = self.fc(x)
         for kind, op in CHAINS.items():
-            h = op(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6), self.w[f"w_{kind}"],
-                   x)
+            h = op(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6), self.w[f"w_{kind}"], x)
         return h
 
 
@@ -53,8 +54,11 @@ def test_every_chain_kind_rotates_or_is_small(capture):
     for kind in CHAINS:
         name = f"w.w_{kind}"
         (unit,) = rotated.plan.units_of(name)
-        assert (unit.kind, unit.call.rule.name, rotated.plan.params[name].dim) == \
-            ("rotate", "elementwise", 0), (kind, unit.reason)
+        assert (unit.kind, unit.call.rule.name, rotated.plan.params[name].dim) == (
+            "rotate",
+            "elementwise",
+            0,
+        ), (kind, unit.reason)
         assert [u.kind for u in small.plan.units_of(name)] == ["small"], kind
     assert rotated.report().count(": elementwise dim0 ") == len(CHAINS), rotated.report()
     assert "  gathered " not in rotated.report() + small.report()
@@ -106,8 +110,11 @@ def test_a_chain_a_shard_cannot_go_through_stays_gathered_with_the_reason(case, 
     assert f"because {unit.reason}" in prog.report()
 
 
-CASES = [(name, options) for name in ("llama_cast", "llama_float", "llama_gemma", "castnorms")
-         for options in ({}, {"small_param_bytes": 0})]
+CASES = [
+    (name, options)
+    for name in ("llama_cast", "llama_float", "llama_gemma", "castnorms")
+    for options in ({}, {"small_param_bytes": 0})
+]
 
 
 @pytest.mark.timeout(600)
@@ -127,8 +134,11 @@ def test_casted_norms_train_like_ddp(world_size, seed):
                 assert err <= 1e-9, f"rank {rank} {name} {options}: {what} rel. error {err:.2e}"
             kinds, report = per_case[key + ("kinds",)], per_case[key + ("report",)]
             assert all("gather" not in k for k in kinds.values()), report
-            elementwise = {p: k for p, k in kinds.items()
-                           if p.endswith(("norm.weight", "scale", "shift")) or p.startswith("w_")}
+            elementwise = {
+                p: k
+                for p, k in kinds.items()
+                if p.endswith(("norm.weight", "scale", "shift")) or p.startswith("w_")
+            }
             assert len(elementwise) == 7, kinds
             kind = "rotate" if options else "small"
             assert all(k == [kind] for k in elementwise.values()), report

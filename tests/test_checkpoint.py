@@ -1,17 +1,23 @@
 """rtp_compile.checkpoint: exact resume after a real kill, resharding, interoperable DCP files,
 and loads that refuse what does not fit without touching a parameter."""
+
 import multiprocessing
 
 import pytest
 import torch
-
-import rtp_compile
-from checkpoint_jobs import (die_mid_save, load_into_world_size, resharded_steps_match_ddp,
-                             save_after_steps, train_with_checkpoints)
-from rtp_compile.state import dcp as checkpoint
+from checkpoint_jobs import (
+    die_mid_save,
+    load_into_world_size,
+    resharded_steps_match_ddp,
+    save_after_steps,
+    train_with_checkpoints,
+)
 from decoders import build_decoder
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from zoo import MLP, build
+
+import rtp_compile
+from rtp_compile.state import dcp as checkpoint
 
 STEPS, EVERY = 7, 2
 
@@ -21,8 +27,9 @@ def straight_run(tmp_path_factory):
     """3 ranks, gpt, STEPS AdamW steps without a stop, a checkpoint every EVERY steps."""
     seed = 1234
     path = tmp_path_factory.mktemp("straight") / "ck"
-    return seed, rtp_compile.launch(train_with_checkpoints, 3, timeout=120, args=(
-        "gpt", str(path), STEPS, EVERY, seed))
+    return seed, rtp_compile.launch(
+        train_with_checkpoints, 3, timeout=120, args=("gpt", str(path), STEPS, EVERY, seed)
+    )
 
 
 @pytest.mark.timeout(300)
@@ -34,13 +41,15 @@ def test_a_killed_run_resumes_bitwise_from_its_last_checkpoint(die, straight_run
     seed, straight = straight_run
     path = str(tmp_path / "run")
     with pytest.raises(rtp_compile.RankError) as err:
-        rtp_compile.launch(train_with_checkpoints, 3, timeout=120, args=(
-            "gpt", path, STEPS, EVERY, seed, die))
+        rtp_compile.launch(
+            train_with_checkpoints, 3, timeout=120, args=("gpt", path, STEPS, EVERY, seed, die)
+        )
     assert err.value.rank == 1 and "exit code" in str(err.value), err.value
     assert multiprocessing.active_children() == []
 
-    resumed = rtp_compile.launch(train_with_checkpoints, 3, timeout=120, args=(
-        "gpt", path, STEPS, EVERY, seed, None, True))
+    resumed = rtp_compile.launch(
+        train_with_checkpoints, 3, timeout=120, args=("gpt", path, STEPS, EVERY, seed, None, True)
+    )
     for rank in range(3):
         (want_losses, want_state), (losses, state) = straight[rank], resumed[rank]
         assert losses == want_losses  # every step's loss, bitwise (floats compare exactly)
@@ -86,8 +95,7 @@ def _assert_same(loaded: dict, saved: dict, where) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_a_checkpoint_saved_by_4_ranks_loads_exactly_into_fewer(world_size, saved_by_4):
     _, path, saved = saved_by_4
-    results = rtp_compile.launch(load_into_world_size, world_size, args=("gpt", path),
-                                 timeout=120)
+    results = rtp_compile.launch(load_into_world_size, world_size, args=("gpt", path), timeout=120)
     for rank, loaded in enumerate(results):
         _assert_same(loaded, saved, (world_size, rank))
 
@@ -98,8 +106,9 @@ def test_buffers_and_conv_kernels_reshard_too(tmp_path, seed):
     # broadcast them) and conv kernels, saved by 3 ranks, loaded by 2
     path = str(tmp_path / "ck")
     saved = rtp_compile.launch(save_after_steps, 3, args=("conv", path, 2, seed), timeout=120)
-    for rank, loaded in enumerate(rtp_compile.launch(load_into_world_size, 2,
-                                                     args=("conv", path), timeout=120)):
+    for rank, loaded in enumerate(
+        rtp_compile.launch(load_into_world_size, 2, args=("conv", path), timeout=120)
+    ):
         _assert_same(loaded, saved[0], rank)
 
 
@@ -108,12 +117,14 @@ def test_a_2x2_mesh_saves_once_per_ring_and_loads_into_3_ranks(tmp_path, seed):
     # replicas hold the same shards: only the first replica's ring (global ranks 0 and 1)
     # writes the model and optimizer; the others' files hold only their own `extra`
     path = tmp_path / "ck"
-    saved = rtp_compile.launch(save_after_steps, 4, args=("gpt", str(path), 2, seed, (2, 2)),
-                               timeout=120)
+    saved = rtp_compile.launch(
+        save_after_steps, 4, args=("gpt", str(path), 2, seed, (2, 2)), timeout=120
+    )
     size = {r: (path / f"__{r}_0.distcp").stat().st_size for r in range(4)}
     assert max(size[2], size[3]) < 10_000 < min(size[0], size[1]), size
-    for rank, loaded in enumerate(rtp_compile.launch(load_into_world_size, 3,
-                                                     args=("gpt", str(path)), timeout=120)):
+    for rank, loaded in enumerate(
+        rtp_compile.launch(load_into_world_size, 3, args=("gpt", str(path)), timeout=120)
+    ):
         _assert_same(loaded, saved[0], rank)
 
 
@@ -132,8 +143,9 @@ def test_a_model_whose_hooks_split_a_packed_qkv_saves_and_loads_its_own_keys(tmp
     assert any(k.endswith(".wq.weight") for k in file_state)
     for key, value in reference.state_dict().items():
         assert torch.equal(value, saved[0]["state"][key]), key
-    for rank, loaded in enumerate(rtp_compile.launch(load_into_world_size, 2,
-                                                     args=("neox", path), timeout=120)):
+    for rank, loaded in enumerate(
+        rtp_compile.launch(load_into_world_size, 2, args=("neox", path), timeout=120)
+    ):
         _assert_same(loaded, saved[0], rank)
 
 
@@ -143,8 +155,9 @@ def test_resharded_steps_equal_ddp_continuing_from_the_torch_save_file(world_siz
     # continued by `world_size` ranks with RTP, and by DDP on the unsharded model and optimizer
     # that dcp_to_torch_save's file gives
     seed, path, _ = saved_by_4
-    results = rtp_compile.launch(resharded_steps_match_ddp, world_size,
-                                 args=("gpt", path, 2, seed), timeout=120)
+    results = rtp_compile.launch(
+        resharded_steps_match_ddp, world_size, args=("gpt", path, 2, seed), timeout=120
+    )
     for rank, r in enumerate(results):
         assert r["keys_match"]  # the file's model keys are model.state_dict()'s, in order
         assert r["extra_rank"] == rank  # ranks 0..world_size-1 saved theirs too
@@ -173,8 +186,11 @@ def test_a_load_that_does_not_fit_raises_and_changes_nothing(tmp_path):
         checkpoint.load(tmp_path / "nowhere", gm)
     # a model whose widths differ (MLP with input width 6, not 7): parameter and shapes named
     narrower = rtp_compile.transform(MLP(d_in=6).double(), 1).module(0)
-    with pytest.raises(ValueError, match=r"fc1.weight is shape \(11, 7\) in the checkpoint, the "
-                                         r"model has \(11, 6\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"fc1.weight is shape \(11, 7\) in the checkpoint, the "
+        r"model has \(11, 6\)",
+    ):
         checkpoint.load(path, narrower)
     # an optimizer over other parameters
     wrong_opt = torch.optim.AdamW([gm.get_parameter("fc1.weight")], lr=1e-2)

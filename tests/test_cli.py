@@ -1,8 +1,8 @@
-import os
-import random
 """Tests for the command line (`python -m rtp_compile`) and the RTP-vs-DDP demo: real runs,
 real spawned ranks, no mocks."""
 
+import os
+import random
 import re
 import subprocess
 import sys
@@ -20,8 +20,13 @@ HEADER = ["step", "rtp", "loss", "ddp", "loss", "|diff|"]  # the loss table's he
 
 def _cli(*args: str, timeout: float = 280) -> subprocess.CompletedProcess:
     """Run `python -m rtp_compile ARGS` from the repository root and capture its output."""
-    return subprocess.run([sys.executable, "-m", "rtp_compile", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rtp_compile", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _loss_rows(stdout: str) -> list[list[str]]:
@@ -37,8 +42,11 @@ def _loss_rows(stdout: str) -> list[list[str]]:
     return rows
 
 
-RATIO_LINE = re.compile(r"^time per step \(median\): rtp [\d.]+ ms, ddp [\d.]+ ms, "
-                        r"ratio rtp/ddp [\d.]+$", re.M)
+RATIO_LINE = re.compile(
+    r"^time per step \(median\): rtp [\d.]+ ms, ddp [\d.]+ ms, "
+    r"ratio rtp/ddp [\d.]+$",
+    re.M,
+)
 
 
 @pytest.mark.timeout(300)
@@ -57,8 +65,9 @@ def test_demo_command_trains_on_the_text_and_writes_a_sample():
             assert abs(a - b) <= 1e-4 * b, rows
     assert "RTP param bytes" in out and "RTP peak step bytes" in out
     assert RATIO_LINE.search(out), out
-    assert re.search(r"^tokens/s \(all 2 ranks, 1,024 tokens a step\): rtp [\d,]+, ddp [\d,]+",
-                     out, re.M), out
+    assert re.search(
+        r"^tokens/s \(all 2 ranks, 1,024 tokens a step\): rtp [\d,]+, ddp [\d,]+", out, re.M
+    ), out
     sample = out.split("seed 0):\n", 1)[1]
     assert sample.startswith(PROMPT) and len(sample.rstrip("\n")) >= len(PROMPT) + 250, sample
     assert "training: 100%" in proc.stderr and "20/20" in proc.stderr  # rank 0's tqdm bar
@@ -69,8 +78,7 @@ def float64_demo():
     """20 steps of the demo in float64, at a fresh seed (printed, replayed by RTP_TEST_SEED)."""
     seed = int(os.environ.get("RTP_TEST_SEED", random.randrange(1_000_000)))
     print(f"RTP_TEST_SEED={seed}")
-    return seed, run_demo(world_size=2, steps=20, seed=seed, dtype=torch.float64,
-                          progress=False)
+    return seed, run_demo(world_size=2, steps=20, seed=seed, dtype=torch.float64, progress=False)
 
 
 @pytest.mark.timeout(300)
@@ -96,15 +104,32 @@ def test_demo_in_float64_matches_ddp_to_rounding_and_learns_the_text(float64_dem
 
 @pytest.mark.timeout(300)
 def test_the_demo_stopped_and_resumed_from_its_checkpoint_trains_as_if_never_stopped(
-        float64_demo, tmp_path):
+    float64_demo, tmp_path
+):
     # 13 steps saving every 6 (the last checkpoint is step 12's), then resumed up to 20: every
     # loss of RTP and of the DDP replica equals the uninterrupted run's, bitwise
     seed, straight = float64_demo
     directory = str(tmp_path / "ck")
-    run_demo(world_size=2, steps=13, seed=seed, dtype=torch.float64, progress=False,
-             track_memory=False, checkpoint_dir=directory, checkpoint_every=6)
-    resumed = run_demo(world_size=2, steps=20, seed=seed, dtype=torch.float64, progress=False,
-                       track_memory=False, checkpoint_dir=directory, resume=True)
+    run_demo(
+        world_size=2,
+        steps=13,
+        seed=seed,
+        dtype=torch.float64,
+        progress=False,
+        track_memory=False,
+        checkpoint_dir=directory,
+        checkpoint_every=6,
+    )
+    resumed = run_demo(
+        world_size=2,
+        steps=20,
+        seed=seed,
+        dtype=torch.float64,
+        progress=False,
+        track_memory=False,
+        checkpoint_dir=directory,
+        resume=True,
+    )
     assert resumed["rtp_loss"][12:] == straight["rtp_loss"][12:]
     assert resumed["ddp_loss"][12:] == straight["ddp_loss"][12:]
     assert resumed["rtp_loss"][:12] == straight["rtp_loss"][:12]  # the records came back

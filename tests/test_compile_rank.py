@@ -2,11 +2,12 @@
 its ring ops and every unit's autograd into one graph (a break or an untraceable op would
 raise), compiles it once for calls of the same shapes (two calls, one frame), and trains like
 the eager module (2 ranks, AdamW) without saving a received shard for backward."""
-import pytest
 
-import rtp_compile
+import pytest
 from compile_jobs import aot_eager_models, inductor_gpt, many_modules
 from jobs import F32_AFTER_ADAMW  # measured: outputs after a step up to 7.8e-5 in CI
+
+import rtp_compile
 
 F64 = 1e-9
 F32 = 1e-5  # a few ulp of the largest element (measured: up to 4e-7)
@@ -16,8 +17,9 @@ F32 = 1e-5  # a few ulp of the largest element (measured: up to 4e-7)
 def test_rank_module_compiles_whole_with_aot_eager(seed):
     results = rtp_compile.launch(aot_eager_models, 2, args=(seed,), timeout=380)
     for rank, per_model in enumerate(results):
-        assert per_model["gpt"]["BucketRuntime"] and not per_model["gpt, no buckets"][
-            "BucketRuntime"]
+        assert (
+            per_model["gpt"]["BucketRuntime"] and not per_model["gpt, no buckets"]["BucketRuntime"]
+        )
         assert per_model["norule"]["GatheredOpRuntime"]
         assert per_model["checkpointed"]["CheckpointedRegion"]
         for name, r in per_model.items():
@@ -31,8 +33,12 @@ def test_rank_module_compiles_whole_with_aot_eager(seed):
 def test_rank_module_compiles_whole_with_inductor(seed):
     for rank, r in enumerate(rtp_compile.launch(inductor_gpt, 2, args=(seed,), timeout=380)):
         assert r["frames"] == 1, f"rank {rank}: {r['frames']} frames compiled"
-        for what, tol in (("output", F32), ("grad", F32), ("output after a step", F32_AFTER_ADAMW),
-                          ("grad after a step", F32_AFTER_ADAMW)):
+        for what, tol in (
+            ("output", F32),
+            ("grad", F32),
+            ("output after a step", F32_AFTER_ADAMW),
+            ("grad after a step", F32_AFTER_ADAMW),
+        ):
             assert r[what] <= tol, f"rank {rank}: {what} rel. error {r[what]:.2e}"
 
 

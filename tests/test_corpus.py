@@ -1,10 +1,19 @@
 """The demo's text and its batches (`rtp_compile.apps.corpus`) and sampling (`models.generate`):
 in-process, no ranks."""
+
 import pytest
 import torch
 
-from rtp_compile.apps.corpus import (ALPHABET, VOCAB_SIZE, TextBatches, decode, encode, load_text,
-                                split, windows)
+from rtp_compile.apps.corpus import (
+    ALPHABET,
+    VOCAB_SIZE,
+    TextBatches,
+    decode,
+    encode,
+    load_text,
+    split,
+    windows,
+)
 from rtp_compile.apps.models import GPTConfig, TinyGPT, generate
 
 

@@ -4,6 +4,7 @@ optimizer bytes and the ring traffic must be exact; the peak within 10%; RTP's m
 within 1.05 x (single-device model state / N + the unsharded model's activations). The model
 has sizes N = 3 does not divide (padded shards). Planning a 7B model on the meta device for 8
 ranks stays within 4 GiB of RSS with exact per-rank parameter bytes."""
+
 import re
 import subprocess
 import sys
@@ -23,7 +24,9 @@ BATCH = 4
 def _measure(model, seed: int, rank: int) -> dict:
     """One warm step, then one step under MemTracker: the peak, and the state after the step."""
     from torch.distributed._tools.mem_tracker import MemTracker
+
     from rtp_compile.runtime import ring
+
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(seed + rank)
 
@@ -43,21 +46,28 @@ def _measure(model, seed: int, rank: int) -> dict:
         (state,) = tracker.get_tracker_snapshot().values()
     (peak,) = tracker.get_tracker_snapshot("peak").values()
     named = {str(k).rsplit(".", 1)[-1]: v for k, v in state.items()}
-    return {"param_bytes": named["PARAM"], "grad_bytes": named["GRAD"],
-            "optimizer_bytes": named["OPT"], "peak_bytes": peak["Total"],
-            "traffic_bytes": ring.traffic["bytes"] - sent,
-            "state_bytes": named["PARAM"] + named["GRAD"] + named["OPT"]}
+    return {
+        "param_bytes": named["PARAM"],
+        "grad_bytes": named["GRAD"],
+        "optimizer_bytes": named["OPT"],
+        "peak_bytes": peak["Total"],
+        "traffic_bytes": ring.traffic["bytes"] - sent,
+        "state_bytes": named["PARAM"] + named["GRAD"] + named["OPT"],
+    }
 
 
 def predicted_and_measured(rank: int, world_size: int, seed: int) -> dict:
     torch.manual_seed(seed)
     model = TinyGPT(CONFIG)
     prog = rtp_compile.transform(model, world_size)
-    out = {"activations": prog.profile(BATCH, CONFIG.block_size).activation_bytes,
-           "rtp": (vars(prog.cost(BATCH, CONFIG.block_size)),
-                   _measure(prog.module(rank), seed, rank)),
-           "ddp": (vars(rtp_compile.cost.ddp(prog, BATCH, CONFIG.block_size)),
-                   _measure(torch.nn.parallel.DistributedDataParallel(model), seed, rank))}
+    out = {
+        "activations": prog.profile(BATCH, CONFIG.block_size).activation_bytes,
+        "rtp": (vars(prog.cost(BATCH, CONFIG.block_size)), _measure(prog.module(rank), seed, rank)),
+        "ddp": (
+            vars(rtp_compile.cost.ddp(prog, BATCH, CONFIG.block_size)),
+            _measure(torch.nn.parallel.DistributedDataParallel(model), seed, rank),
+        ),
+    }
     return out
 
 
@@ -71,14 +81,24 @@ def test_predictions_match_memtracker(world_size, seed):
         assert per_kind["rtp"][1]["peak_bytes"] <= 1.05 * bound, (rank, per_kind, bound)
         for kind, (predicted, measured) in per_kind.items():
             for field in ("param_bytes", "grad_bytes", "optimizer_bytes"):
-                assert predicted[field] == measured[field], (rank, kind, field, predicted[field],
-                                                             measured[field])
+                assert predicted[field] == measured[field], (
+                    rank,
+                    kind,
+                    field,
+                    predicted[field],
+                    measured[field],
+                )
             if kind == "rtp":
-                assert predicted["traffic_bytes"] == measured["traffic_bytes"], (rank, predicted,
-                                                                                 measured)
+                assert predicted["traffic_bytes"] == measured["traffic_bytes"], (
+                    rank,
+                    predicted,
+                    measured,
+                )
             ratio = predicted["peak_bytes"] / measured["peak_bytes"]
-            assert 0.9 <= ratio <= 1.1, f"rank {rank} {kind}: peak predicted " \
+            assert 0.9 <= ratio <= 1.1, (
+                f"rank {rank} {kind}: peak predicted "
                 f"{predicted['peak_bytes']:,} measured {measured['peak_bytes']:,} ({ratio:.3f})"
+            )
 
 
 def test_expressions_are_the_model_at_every_world_size():
@@ -90,12 +110,16 @@ def test_expressions_are_the_model_at_every_world_size():
         direct = rtp_compile.transform(model, n).cost(BATCH, CONFIG.block_size)
         assert vars(two.at(n)) | {"expressions": None} == vars(direct) | {"expressions": None}
     for name, expr in two.expressions.items():
-        assert expr.free_symbols <= {sympy.Symbol("N", positive=True, integer=True),
-                                     sympy.Symbol("A", positive=True, integer=True)}, name
-    assert two.param_bytes == sum(lay.shard_bytes for lay in
-                                  rtp_compile.transform(model, 2).plan.params.values())
-    text = rtp_compile.cost.table(rtp_compile.transform(model, 2), BATCH, CONFIG.block_size,
-                                  world_sizes=(2, 4))
+        assert expr.free_symbols <= {
+            sympy.Symbol("N", positive=True, integer=True),
+            sympy.Symbol("A", positive=True, integer=True),
+        }, name
+    assert two.param_bytes == sum(
+        lay.shard_bytes for lay in rtp_compile.transform(model, 2).plan.params.values()
+    )
+    text = rtp_compile.cost.table(
+        rtp_compile.transform(model, 2), BATCH, CONFIG.block_size, world_sizes=(2, 4)
+    )
     assert [line.split()[1] for line in text.splitlines()[3:]] == ["ddp", "fsdp2", "rtp"] * 2
 
 
@@ -110,12 +134,17 @@ def test_cost_names_what_it_cannot_size():
 @pytest.mark.timeout(600)
 def test_llama_7b_is_planned_on_the_meta_device_within_4_gib():
     pytest.importorskip("transformers")
-    proc = subprocess.run([sys.executable, "-m", "rtp_compile", "plan", "llama-7b",
-                           "--world-sizes", "8"], capture_output=True, text=True, timeout=540)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtp_compile", "plan", "llama-7b", "--world-sizes", "8"],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    ratio = float(re.search(r"N=8: RTP parameter bytes per rank [\d,]+ = ([\d.]+) x full/N",
-                            out).group(1))
+    ratio = float(
+        re.search(r"N=8: RTP parameter bytes per rank [\d,]+ = ([\d.]+) x full/N", out).group(1)
+    )
     rss = float(re.search(r"peak RSS ([\d.]+) GiB", out).group(1))
     assert 0.98 <= ratio <= 1.02 and rss <= 4.0, out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["8"]]

@@ -1,18 +1,24 @@
 """Bad input gets a clear error that names what is wrong and what to do; nothing hangs."""
+
 import multiprocessing
 import re
 import time
 
 import pytest
 import torch
+from decoders import build_decoder, decoder_batch
+from jobs import (
+    die_mid_step,
+    failed_backward_leaves_state,
+    failed_forward_leaves_state,
+    peer_raises_alone,
+    run_program_of,
+    stall_one_rank,
+)
 from torch import nn
+from zoo import build
 
 import rtp_compile
-from jobs import (die_mid_step, failed_backward_leaves_state, failed_forward_leaves_state,
-                  peer_raises_alone,
-                  run_program_of, stall_one_rank)
-from decoders import build_decoder, decoder_batch
-from zoo import build
 
 
 class DataDependent(nn.Module):
@@ -88,7 +94,7 @@ def test_a_state_dict_the_models_own_hooks_cannot_map_is_refused_whole():
     gm = prog.module(0)
     before = {k: v.clone() for k, v in gm.state_dict().items()}
     state = other.state_dict()
-    state.pop("layers.1.qkv.wk.bias")            # the hook cannot join q, k, v of layer 1
+    state.pop("layers.1.qkv.wk.bias")  # the hook cannot join q, k, v of layer 1
     with pytest.raises(KeyError, match="layers.1.qkv.wqkv.bias") as err:
         prog.load_full_state_dict(gm, state)
     assert "nothing was loaded" in str(err.value)
@@ -140,8 +146,7 @@ def test_a_rank_dying_mid_step_makes_the_others_fail_naming_peers(where, tmp_pat
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world_size", [3])
 def test_a_forward_that_raises_leaves_state_intact_and_nothing_in_flight(world_size, seed):
-    results = rtp_compile.launch(failed_forward_leaves_state, world_size, args=(seed,),
-                                 timeout=120)
+    results = rtp_compile.launch(failed_forward_leaves_state, world_size, args=(seed,), timeout=120)
     for rank, r in enumerate(results):
         assert r["raised"] and "index" in r["raised"].lower(), r
         assert r["unchanged"] and r["left_in_flight"] == 0, (rank, r)
@@ -155,8 +160,7 @@ def test_a_backward_that_raises_leaves_gradients_as_they_were(where, seed):
     # .grad is exactly what the first left (at once when a unit raised, as a failed hop does;
     # by the next forward when the model's own code raised), nothing is left in flight, and
     # training goes on as DDP's, which never saw the failed backward
-    results = rtp_compile.launch(failed_backward_leaves_state, 3, args=(seed, where),
-                                 timeout=120)
+    results = rtp_compile.launch(failed_backward_leaves_state, 3, args=(seed, where), timeout=120)
     for rank, r in enumerate(results):
         assert r["raised"] and "failed" in r["raised"], (rank, r)
         assert r["unchanged"] and r["left_in_flight"] == 0, (rank, r)

@@ -8,15 +8,22 @@ by complex numbers (torchtitan's `view_as_complex`) or by `stack` (torchtune); a
 that also returns its k / v (a KV cache: not exact, so not fused, with the reason). One
 launched job per world size holds the fused programs to the unsharded model and DDP.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
+from decoders import (
+    DecoderConfig,
+    LlamaAttention,
+    build_decoder,
+    decoder_batch,
+    rotary_tables,
+    rotate,
+)
+from jobs import train_next_to_ddp
 from torch import nn
 
 import rtp_compile
-from decoders import (DecoderConfig, LlamaAttention, build_decoder, decoder_batch, rotary_tables,
-                      rotate)
-from jobs import train_next_to_ddp
 
 TOL = 1e-9
 
@@ -32,8 +39,9 @@ class CachedRotary(nn.Module):
 
     def forward(self, q, k, cache: dict):
         if "cos" not in cache:
-            angles = torch.outer(torch.arange(q.shape[-2], dtype=self.inv_freq.dtype),
-                                 self.inv_freq)
+            angles = torch.outer(
+                torch.arange(q.shape[-2], dtype=self.inv_freq.dtype), self.inv_freq
+            )
             angles = torch.cat([angles, angles], dim=-1)
             cache["cos"], cache["sin"] = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
             cache["mask"] = torch.ones((q.shape[-2], k.shape[-2]), dtype=torch.bool).tril()
@@ -140,12 +148,12 @@ class SharedTables(Decoder):
 
     def __init__(self, attention, complex_tables: bool = False):
         super().__init__(attention)
-        cos, sin = rotary_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_len,
-                                 torch.float32)
+        cos, sin = rotary_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_len, torch.float32)
         if complex_tables:  # each angle once (rotary_tables repeats them for rotate-half)
             half = cos.shape[-1] // 2
-            self.register_buffer("freqs_cis", torch.complex(cos[:, :half], sin[:, :half]),
-                                 persistent=False)
+            self.register_buffer(
+                "freqs_cis", torch.complex(cos[:, :half], sin[:, :half]), persistent=False
+            )
         else:
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
@@ -153,8 +161,11 @@ class SharedTables(Decoder):
     def forward(self, tokens):
         T = tokens.shape[1]
         h, cache = self.embed(tokens), []
-        tables = (self.freqs_cis[:T],) if hasattr(self, "freqs_cis") else \
-            (self.cos[:T].to(h.dtype), self.sin[:T].to(h.dtype))
+        tables = (
+            (self.freqs_cis[:T],)
+            if hasattr(self, "freqs_cis")
+            else (self.cos[:T].to(h.dtype), self.sin[:T].to(h.dtype))
+        )
         mask = torch.ones(T, T, dtype=torch.bool).tril()
         for norm, attention in zip(self.norms, self.attention):
             out = attention(norm(h), *tables, mask)
@@ -188,12 +199,15 @@ def _compile(name: str, world_size: int = 2, capture: str = "export", **options)
 
 def _attention(prog) -> tuple[list[str], dict[str, str]]:
     """(fused attention units, unfused attention tails -> why)."""
-    return [u.name for u in prog.plan.units if u.kind == "fused" and u.fusion.attention], \
-        dict(prog.plan.unfused)
+    return [u.name for u in prog.plan.units if u.kind == "fused" and u.fusion.attention], dict(
+        prog.plan.unfused
+    )
 
 
-@pytest.mark.parametrize("name", ["llama_cast", "llama_float", "llama_gemma", "cached",
-                                  "cached_unbind", "complex", "pairs"])
+@pytest.mark.parametrize(
+    "name",
+    ["llama_cast", "llama_float", "llama_gemma", "cached", "cached_unbind", "complex", "pairs"],
+)
 def test_attention_fuses_through_rotary_gqa_and_shared_tables(name):
     """Every layer's attention is one unit at 2 ranks, cut in its 2 kv-head groups (a kv head
     with its 2 q heads); the tables and mask made once per forward are externals of each."""
@@ -215,8 +229,10 @@ def test_attention_stays_unfused_where_it_would_not_be_exact():
     kv-head groups on 3 ranks by default (whole groups would pad the weights)."""
     fused, unfused = _attention(_compile("kv_cache"))
     assert not fused and len(unfused) == 2
-    assert all("computed from the heads, is also read outside the block (by output" in why
-               for why in unfused.values()), unfused
+    assert all(
+        "computed from the heads, is also read outside the block (by output" in why
+        for why in unfused.values()
+    ), unfused
     fused, unfused = _attention(_compile("neox"))
     assert not fused and all("packed projection" in why for why in unfused.values()), unfused
     for name in ("cached", "cached_unbind"):
@@ -229,8 +245,13 @@ def test_attention_stays_unfused_where_it_would_not_be_exact():
 
 
 # llama_gemma / llama_float differ from llama_cast only outside attention
-PARITY = [("llama_cast", "export"), ("cached", "export"), ("cached_unbind", "fx"),
-          ("complex", "export"), ("pairs", "export")]
+PARITY = [
+    ("llama_cast", "export"),
+    ("cached", "export"),
+    ("cached_unbind", "fx"),
+    ("complex", "export"),
+    ("pairs", "export"),
+]
 
 
 def fused_parity(rank: int, world_size: int, seed: int, steps: int = 2) -> dict:
@@ -240,10 +261,15 @@ def fused_parity(rank: int, world_size: int, seed: int, steps: int = 2) -> dict:
     for name, capture in PARITY:
         model = build(name, seed)
         batches = [decoder_batch(seed, rank, step) for step in range(steps)]
-        prog = rtp_compile.transform(model, world_size, fuse_padding=1.0,
-                                     example_inputs=(batches[0],) if capture == "export" else None)
-        errors = train_next_to_ddp(prog, prog.module(rank), model, batches, seed,
-                                   lambda m, x: m(x), lambda out: out)
+        prog = rtp_compile.transform(
+            model,
+            world_size,
+            fuse_padding=1.0,
+            example_inputs=(batches[0],) if capture == "export" else None,
+        )
+        errors = train_next_to_ddp(
+            prog, prog.module(rank), model, batches, seed, lambda m, x: m(x), lambda out: out
+        )
         results[(name, capture)] = errors, _attention(prog)[0]
     return results
 

@@ -1,6 +1,7 @@
 """Looking at programs and runs: `prog.draw` writes a readable SVG/PNG of a rank's schedule,
 `rtp_compile.timeline` plots a real profiled 2-rank step, `rtp-compile inspect --draw` draws
 from the command line, and the pass log reads as a table."""
+
 import importlib.util
 import json
 import shutil
@@ -12,11 +13,10 @@ import torch
 
 import rtp_compile
 from rtp_compile.apps.cli import main
+from rtp_compile.apps.models import GPTConfig, TinyGPT, lm_step
 from rtp_compile.inspect.draw import _palette, layered, schedule_graph
-from rtp_compile.apps.models import GPTConfig, TinyGPT
-from rtp_compile.passes.manager.pipeline import pass_table
-from rtp_compile.apps.models import lm_step
 from rtp_compile.inspect.traces import STEP
+from rtp_compile.passes.manager.pipeline import pass_table
 
 pytest.importorskip("matplotlib")
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -37,8 +37,11 @@ def test_draw_writes_an_svg_naming_every_unit_and_hop(prog, tmp_path):
     for unit in prog.plan.units:
         if unit.kind not in ("small", "gather"):  # gathered: one box for all small params
             assert unit.name in text, unit.name
-    hops = [n.args[4] for n in prog.module(0).graph.nodes
-            if n.target is torch.ops.rtp.ring_shift_start.default]
+    hops = [
+        n.args[4]
+        for n in prog.module(0).graph.nodes
+        if n.target is torch.ops.rtp.ring_shift_start.default
+    ]
     assert hops and all(f"send {h}" in text and f"wait {h}" in text for h in hops)
     assert "gathered: small params" in text
 
@@ -73,8 +76,9 @@ def traces(tmp_path_factory):
     """One real profiled AdamW step of a 2-rank job (gloo), its chrome traces."""
     out = tmp_path_factory.mktemp("traces")
     prog = rtp_compile.transform(TinyGPT(CONFIG), 2)
-    return rtp_compile.record_traces(lm_step, 2, out, args=(prog, CONFIG.vocab_size, 4, 16),
-                                     timeout=120)
+    return rtp_compile.record_traces(
+        lm_step, 2, out, args=(prog, CONFIG.vocab_size, 4, 16), timeout=120
+    )
 
 
 def test_timeline_of_a_real_two_rank_step_shows_compute_against_the_ring(traces, tmp_path):
@@ -106,6 +110,7 @@ def test_the_ranks_traces_merge_into_one_for_perfetto(traces):
 
 def test_timeline_reads_a_profile_object():
     from torch.profiler import profile, record_function
+
     with profile() as prof, record_function(STEP):
         torch.mm(torch.randn(64, 64), torch.randn(64, 64))
     (r,) = rtp_compile.timeline(prof).ranks
@@ -127,8 +132,12 @@ def test_pass_log_as_a_table(prog):
 
 def test_inspect_draws_with_draw(tmp_path, capsys):
     out = tmp_path / "tiny.svg"
-    assert main(["inspect", "rtp_compile.apps.models:TinyGPT", "--world-size", "2",
-                 "--draw", str(out)]) == 0
+    assert (
+        main(
+            ["inspect", "rtp_compile.apps.models:TinyGPT", "--world-size", "2", "--draw", str(out)]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "rtp cost per rank, N=2" in printed and f"drawn: {out}" in printed
     assert "blocks_0_mlp" in out.read_text()
@@ -136,8 +145,16 @@ def test_inspect_draws_with_draw(tmp_path, capsys):
 
 def test_inspect_refuses_a_drawing_format_before_compiling(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["inspect", "rtp_compile.apps.models:TinyGPT", "--world-size", "2",
-              "--draw", str(tmp_path / "x.gif")])
+        main(
+            [
+                "inspect",
+                "rtp_compile.apps.models:TinyGPT",
+                "--world-size",
+                "2",
+                "--draw",
+                str(tmp_path / "x.gif"),
+            ]
+        )
     assert exit_.value.code == 2 and ".svg, .png, .pdf" in capsys.readouterr().err
 
 
@@ -149,13 +166,15 @@ def test_each_hop_runs_down_its_own_lane_beside_the_compute(prog):
     for send, wait, kind in graph.edges(data="kind"):
         if kind == "hop":
             assert pos[send][0] == pos[wait][0] > lanes_from  # one lane, right of the compute
-            assert pos[send][1] > pos[wait][1]                # the send above its wait
+            assert pos[send][1] > pos[wait][1]  # the send above its wait
     ys = sorted(y for _, y in pos.values())
     assert all(b - a > 0.3 for a, b in zip(ys, ys[1:]) if a != b)  # rows never overlap
 
 
-@pytest.mark.skipif(not (shutil.which("dot") and importlib.util.find_spec("pydot")),
-                    reason="graphviz (the dot binary and pydot) is not installed")
+@pytest.mark.skipif(
+    not (shutil.which("dot") and importlib.util.find_spec("pydot")),
+    reason="graphviz (the dot binary and pydot) is not installed",
+)
 def test_draw_lays_out_with_graphviz_when_installed(prog, tmp_path):
     assert ET.parse(prog.draw(0, tmp_path / "dot.svg")).getroot().tag.endswith("svg")
 

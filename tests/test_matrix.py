@@ -7,6 +7,7 @@ test here, failing with its feature, family, capture path, N and what it found. 
 to RTP_MATRIX_JSON (default: matrix.json in pytest's temporary directory) as JSON, from which
 `python docs/make_matrix.py RESULTS.json` draws README's table.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,10 +20,21 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import rtp_compile  # noqa: E402
 from matrix_cells import run_cells  # noqa: E402
-from matrix_spec import (CI_CELLS, COMPILED, FAMILIES, FAMILY, FEATURE, MESH,  # noqa: E402
-                         NOT_APPLICABLE, cells, size_label, verdict)
+from matrix_spec import (  # noqa: E402
+    CI_CELLS,
+    COMPILED,
+    FAMILIES,
+    FAMILY,
+    FEATURE,
+    MESH,
+    NOT_APPLICABLE,
+    cells,
+    size_label,
+    verdict,
+)
+
+import rtp_compile  # noqa: E402
 
 SIZES = (2, 3, MESH)
 LAUNCH_TIMEOUT = 1400  # seconds: also the job's collective timeout
@@ -50,18 +62,28 @@ class Matrix:
     def _launch(self, size: int) -> None:
         start = time.monotonic()
         try:
-            per_rank = rtp_compile.launch(run_cells, size, timeout=LAUNCH_TIMEOUT, args=(
-                self.cells(size), self.seed, str(self.workdir)))
+            per_rank = rtp_compile.launch(
+                run_cells,
+                size,
+                timeout=LAUNCH_TIMEOUT,
+                args=(self.cells(size), self.seed, str(self.workdir)),
+            )
             failure = None
         except Exception as err:  # noqa: BLE001 - every cell of the launch fails with it
             per_rank, failure = None, self._launch_failure(size, err)
         seconds = time.monotonic() - start
         results = {}
         for key in self.cells(size):
-            results[key] = verdict([r[key] for r in per_rank]) if per_rank else \
-                {"status": "fail", "reason": failure, "rank": None, "seconds": 0.0}
-        setup = {f.id: max(r[("setup", f.id)]["seconds"] for r in per_rank)
-                 for f in FAMILIES if per_rank and ("setup", f.id) in per_rank[0]}
+            results[key] = (
+                verdict([r[key] for r in per_rank])
+                if per_rank
+                else {"status": "fail", "reason": failure, "rank": None, "seconds": 0.0}
+            )
+        setup = {
+            f.id: max(r[("setup", f.id)]["seconds"] for r in per_rank)
+            for f in FAMILIES
+            if per_rank and ("setup", f.id) in per_rank[0]
+        }
         self.launches[size] = {"cells": results, "seconds": seconds, "setup_seconds": setup}
         print(f"matrix launch {size_label(size)}: {seconds:.0f} s")
         self.write()
@@ -73,8 +95,10 @@ class Matrix:
             lines = path.read_text().splitlines()
             running.append(f"{path.stem.split('-')[-1]}: {lines[-1] if lines else 'nothing'}")
         first = (str(err).strip().splitlines() or [""])[0]
-        return f"the launch failed ({type(err).__name__}: {first[:200]}) while running " + \
-            ", ".join(running)
+        return (
+            f"the launch failed ({type(err).__name__}: {first[:200]}) while running "
+            + ", ".join(running)
+        )
 
     def write(self) -> None:
         out = []
@@ -83,15 +107,33 @@ class Matrix:
                 out.append({"feature": feature, "family": family, "size": size, **result})
         for (feature, family), reason in NOT_APPLICABLE.items():
             for size in FEATURE[feature].sizes:
-                out.append({"feature": feature, "family": family, "size": size,
-                            "status": "n/a", "reason": reason, "seconds": 0.0})
-        self.json_path.write_text(json.dumps({
-            "seed": self.seed, "date": time.strftime("%Y-%m-%d"),
-            "launch_seconds": {size_label(s): round(v["seconds"], 1)
-                               for s, v in self.launches.items()},
-            "setup_seconds": {size_label(s): v["setup_seconds"]
-                              for s, v in self.launches.items()},
-            "cells": out}, indent=1, default=str))
+                out.append(
+                    {
+                        "feature": feature,
+                        "family": family,
+                        "size": size,
+                        "status": "n/a",
+                        "reason": reason,
+                        "seconds": 0.0,
+                    }
+                )
+        self.json_path.write_text(
+            json.dumps(
+                {
+                    "seed": self.seed,
+                    "date": time.strftime("%Y-%m-%d"),
+                    "launch_seconds": {
+                        size_label(s): round(v["seconds"], 1) for s, v in self.launches.items()
+                    },
+                    "setup_seconds": {
+                        size_label(s): v["setup_seconds"] for s, v in self.launches.items()
+                    },
+                    "cells": out,
+                },
+                indent=1,
+                default=str,
+            )
+        )
 
 
 @pytest.fixture(scope="module")
@@ -110,30 +152,41 @@ def matrix(tmp_path_factory):
 # COMPILED rows' cells of CI_CELLS (test_ci_cells); RTP_MATRIX=1 (`python docs/make_matrix.py
 # --run` sets it) runs them all, and README's table shows that run.
 FULL_RUN = os.environ.get("RTP_MATRIX") == "1"
-_ONLY_FULL = pytest.mark.skip(reason="a row that compiles every family with inductor: with "
-                              "RTP_MATRIX=1 (python docs/make_matrix.py --run), ~16 minutes")
+_ONLY_FULL = pytest.mark.skip(
+    reason="a row that compiles every family with inductor: with "
+    "RTP_MATRIX=1 (python docs/make_matrix.py --run), ~16 minutes"
+)
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 100)
-@pytest.mark.parametrize("size,feature,family", [
-    pytest.param(size, feature, family, id=f"{feature}-{family}-N{size_label(size)}",
-                 marks=[_ONLY_FULL] if feature in COMPILED and not FULL_RUN else [])
-    for size in SIZES for feature, family in cells(size)])
+@pytest.mark.parametrize(
+    "size,feature,family",
+    [
+        pytest.param(
+            size,
+            feature,
+            family,
+            id=f"{feature}-{family}-N{size_label(size)}",
+            marks=[_ONLY_FULL] if feature in COMPILED and not FULL_RUN else [],
+        )
+        for size in SIZES
+        for feature, family in cells(size)
+    ],
+)
 def test_cell(matrix, size, feature, family):
     result = matrix.cell(size, feature, family)
     column = FAMILY[family]
     assert result["status"] == "pass", (
         f"{FEATURE[feature].title} on {column.title} through {column.path}, "
         f"N = {size_label(size)}, rank {result['rank']}: {result['reason']}\n"
-        f"{result.get('trace', '')}")
-
+        f"{result.get('trace', '')}"
+    )
 
 
 @pytest.mark.timeout(400)
 def test_ci_cells(seed, tmp_path):
     """The cells of CI_CELLS at N = 2 in one launch, as the full matrix runs them."""
-    per_rank = rtp_compile.launch(run_cells, 2, timeout=360, args=(CI_CELLS, seed,
-                                                                   str(tmp_path)))
+    per_rank = rtp_compile.launch(run_cells, 2, timeout=360, args=(CI_CELLS, seed, str(tmp_path)))
     failed = {}
     for feature, family in CI_CELLS:
         result = verdict([r[(feature, family)] for r in per_rank])

@@ -4,16 +4,17 @@ and are reused.
 Measured by watching every tensor the ops of a real 3- and 4-rank job create (storage sizes and
 lifetimes), not by reading the plan. A unit's shards travel as one flat message. Forward holds
 at most 2 messages at once (the one in hand and the incoming one) and allocates just 2 per
-unit: every later hop of the unit receives into the buffer the hop before last arrived in. Backward holds at
-most 4 (weights held + incoming, gradient accumulators outgoing + incoming) besides the
+unit: every later hop of the unit receives into the buffer the hop before last arrived in. Backward
+holds at most 4 (weights held + incoming, gradient accumulators outgoing + incoming) besides the
 gradients already produced. No op ever creates a tensor of a weight's full size. The model has
 a fused block and a plain rotated layer. After the step nothing shard-sized is left but the
 gradients, the pool holds nothing, and no communication is pending.
 """
+
 import pytest
+from jobs import buffer_peaks, summed_output_peak
 
 import rtp_compile
-from jobs import buffer_peaks, summed_output_peak
 
 
 @pytest.mark.timeout(300)

@@ -9,33 +9,48 @@ size divides, BatchNorm statistics taken from the mesh's first rank, summed grad
 (`grad_reduction="sum"`); a backward that fails
 half-way with replicas, or a reduction that fails, rolled back.
 """
+
 import copy
 
 import pytest
 import torch
 import torch.distributed as dist
+from jobs import (
+    buffers_like_ddp,
+    failed_backward_leaves_state,
+    gathered_grads,
+    grad_errors,
+    loss_of,
+    rel_err,
+    train_next_to_ddp,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
+from zoo import batch, build
 
 import rtp_compile
 from rtp_compile.runtime.transaction import GradTransaction
-from jobs import (buffers_like_ddp, failed_backward_leaves_state, gathered_grads, grad_errors,
-                  loss_of, rel_err, train_next_to_ddp)
-from zoo import batch, build
 
 TOL = 1e-9
 
 
-def mesh_parity(rank: int, world_size: int, shape: tuple, names: list, seed: int,
-                bucket_bytes: int | None = None) -> dict:
+def mesh_parity(
+    rank: int,
+    world_size: int,
+    shape: tuple,
+    names: list,
+    seed: int,
+    bucket_bytes: int | None = None,
+) -> dict:
     """Per model: train_next_to_ddp's errors for the module of this rank's place in a mesh of
     `shape` (the last dim the ring), 3 AdamW steps; the module's job; and the errors a mesh
     that does not fit the program raises. `bucket_bytes`: the replicas' gradient buckets."""
-    from rtp_compile.runtime.job import job_of
     from rtp_compile.runtime import replicas
+    from rtp_compile.runtime.job import job_of
+
     if bucket_bytes is not None:
         replicas.BUCKET_BYTES = bucket_bytes
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "rtp")[-len(shape):])
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "rtp")[-len(shape) :])
     ring = mesh.get_group(len(shape) - 1)
     results = {}
     for name in names:
@@ -43,20 +58,31 @@ def mesh_parity(rank: int, world_size: int, shape: tuple, names: list, seed: int
         prog = rtp_compile.transform(model, shape[-1])
         gm = prog.module(mesh=mesh)
         batches = [batch(name, seed, rank, step) for step in range(3)]
-        results[name] = train_next_to_ddp(prog, gm, model, batches, seed, lambda m, x: m(x),
-                                          lambda o: o, ring)
+        results[name] = train_next_to_ddp(
+            prog, gm, model, batches, seed, lambda m, x: m(x), lambda o: o, ring
+        )
     job = job_of(gm)
     errors = []
-    for wrong in (lambda: rtp_compile.transform(model, shape[-1] + 1).module(mesh=mesh),
-                  lambda: prog.module(0, mesh=mesh)):
+    for wrong in (
+        lambda: rtp_compile.transform(model, shape[-1] + 1).module(mesh=mesh),
+        lambda: prog.module(0, mesh=mesh),
+    ):
         try:
             wrong()
         except ValueError as err:
             errors.append(str(err))
-    return {"errors": results, "messages": errors,
-            "job": (job.rank, job.world_size, job.replica, job.replicas,
-                    job.replica_group_name is not None),
-            "place": (dist.get_rank(ring), mesh.get_local_rank(0) if len(shape) == 2 else 0)}
+    return {
+        "errors": results,
+        "messages": errors,
+        "job": (
+            job.rank,
+            job.world_size,
+            job.replica,
+            job.replicas,
+            job.replica_group_name is not None,
+        ),
+        "place": (dist.get_rank(ring), mesh.get_local_rank(0) if len(shape) == 2 else 0),
+    }
 
 
 def _check(results, shape):
@@ -81,8 +107,10 @@ def summed_grads(rank: int, world_size: int, shape: tuple, seed: int) -> float:
     x = batch("mlp", seed, rank, 0)
     loss_of(gm(x), seed).backward()
     loss_of(ddp(x), seed).backward()
-    return grad_errors(gathered_grads(prog, gm, mesh.get_group(1)),
-                       {n: world_size * ddp.module.get_parameter(n).grad for n in prog.plan.params})
+    return grad_errors(
+        gathered_grads(prog, gm, mesh.get_group(1)),
+        {n: world_size * ddp.module.get_parameter(n).grad for n in prog.plan.params},
+    )
 
 
 def clipped_on_mesh(rank: int, world_size: int, shape: tuple, seed: int) -> float:
@@ -97,8 +125,10 @@ def clipped_on_mesh(rank: int, world_size: int, shape: tuple, seed: int) -> floa
     loss_of(ddp(x), seed).backward()
     total = rtp_compile.clip_grad_norm_(gm, 0.05)
     reference = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
-    grads = grad_errors(gathered_grads(prog, gm, mesh.get_group(1)),
-                        {n: ddp.module.get_parameter(n).grad for n in prog.plan.params})
+    grads = grad_errors(
+        gathered_grads(prog, gm, mesh.get_group(1)),
+        {n: ddp.module.get_parameter(n).grad for n in prog.plan.params},
+    )
     return max(rel_err(total, reference), grads)
 
 
@@ -106,10 +136,12 @@ def mesh_and_buffers(rank: int, world_size: int, seed: int) -> dict:
     """2 x 2: mesh_parity with buckets of 64 bytes (about one per parameter, so they
     all-reduce during backward, in an order the hooks do not decide), buffers_like_ddp and
     summed_grads; clipping as DDP clips (clipped_on_mesh)."""
-    return {"parity": mesh_parity(rank, world_size, (2, 2), ["gpt", "tiedbias"], seed, 64),
-            "buffers": buffers_like_ddp(rank, world_size, seed, True, (2, 2)),
-            "sum": summed_grads(rank, world_size, (2, 2), seed),
-            "clip": clipped_on_mesh(rank, world_size, (2, 2), seed)}
+    return {
+        "parity": mesh_parity(rank, world_size, (2, 2), ["gpt", "tiedbias"], seed, 64),
+        "buffers": buffers_like_ddp(rank, world_size, seed, True, (2, 2)),
+        "sum": summed_grads(rank, world_size, (2, 2), seed),
+        "clip": clipped_on_mesh(rank, world_size, (2, 2), seed),
+    }
 
 
 @pytest.mark.timeout(300)
@@ -127,8 +159,10 @@ def test_2x2_mesh_equals_ddp_over_all_ranks(seed):
 
 
 def degenerate_meshes(rank: int, world_size: int, seed: int) -> dict:
-    return {shape: mesh_parity(rank, world_size, shape, ["mlp"], seed)
-            for shape in [(2, 1), (1, 2), (2,)]}
+    return {
+        shape: mesh_parity(rank, world_size, shape, ["mlp"], seed)
+        for shape in [(2, 1), (1, 2), (2,)]
+    }
 
 
 @pytest.mark.timeout(300)
@@ -142,9 +176,12 @@ def test_degenerate_meshes_equal_ddp(seed):
 
 def failed_steps_on_mesh(rank: int, world_size: int, seed: int) -> dict:
     from rtp_compile.runtime import replicas
+
     replicas.BUCKET_BYTES = 64  # buckets start during backward, before the failure
-    return {where: failed_backward_leaves_state(rank, world_size, seed, where, (2, 2))
-            for where in ("user", "unit")}
+    return {
+        where: failed_backward_leaves_state(rank, world_size, seed, where, (2, 2))
+        for where in ("user", "unit")
+    }
 
 
 @pytest.mark.timeout(300)

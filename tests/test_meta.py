@@ -7,6 +7,7 @@ Real gloo jobs at world sizes 2 and 3: the shards equal `layout.shard` of the un
 AdamW steps match that twin and DDP, checkpoints load exactly, and the bytes allocated while a
 rank materialises (every op's fresh storages, watched) never exceed its shards plus one module.
 """
+
 import weakref
 
 import pytest
@@ -28,9 +29,17 @@ def meta_model(kind: str) -> nn.Module:
             model = TinyGPT(GPTConfig(vocab_size=67, block_size=8, n_layer=2, n_head=2, n_embd=12))
         else:
             from transformers import LlamaConfig, LlamaForCausalLM
-            model = LlamaForCausalLM(LlamaConfig(
-                hidden_size=16, intermediate_size=22, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=53))
+
+            model = LlamaForCausalLM(
+                LlamaConfig(
+                    hidden_size=16,
+                    intermediate_size=22,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    vocab_size=53,
+                )
+            )
     return model.to(torch.float64)
 
 
@@ -80,24 +89,31 @@ def memory_bounds(prog, model: nn.Module) -> dict:
     """Bytes of a rank's shards, of the model's buffers, of the largest module's own
     parameters, of the largest parameter, and of the whole model's parameters."""
     own = [sum(nbytes(p) for p in m.parameters(recurse=False)) for m in model.modules()]
-    return {"shards": sum(lay.shard_bytes for lay in prog.plan.params.values()),
-            "buffers": sum(nbytes(b) for b in model.buffers()),
-            "module": max(own),
-            "param": max(nbytes(p) for p in model.parameters()),
-            "model": sum(nbytes(p) for p in model.parameters())}
+    return {
+        "shards": sum(lay.shard_bytes for lay in prog.plan.params.values()),
+        "buffers": sum(nbytes(b) for b in model.buffers()),
+        "module": max(own),
+        "param": max(nbytes(p) for p in model.parameters()),
+        "model": sum(nbytes(p) for p in model.parameters()),
+    }
 
 
 def shard_mismatches(prog, gm, full: dict, rank: int) -> list[str]:
     """Parameters of `gm` that are not exactly `layout.shard(full[name], rank)`."""
-    return [name for name, lay in prog.plan.params.items()
-            if not torch.equal(gm.get_parameter(name).detach(),
-                               lay.shard(full[name].to(lay.dtype), rank))]
+    return [
+        name
+        for name, lay in prog.plan.params.items()
+        if not torch.equal(
+            gm.get_parameter(name).detach(), lay.shard(full[name].to(lay.dtype), rank)
+        )
+    ]
 
 
 def meta_job(rank: int, world_size: int, kind: str, seed: int, pt: str, st: str) -> dict:
     """Materialise a meta model's rank module by initialisers, then from two checkpoints;
     train it next to the unsharded twin and DDP."""
     from jobs import train_next_to_ddp
+
     model = meta_model(kind)
     prog = rtp_compile.transform(model, world_size)
     reference = rtp_compile.materialize_full(model, seed)
@@ -107,13 +123,15 @@ def meta_job(rank: int, world_size: int, kind: str, seed: int, pt: str, st: str)
     result = {
         "meta_after": all(p.is_meta for p in model.parameters()),
         "bounds": memory_bounds(prog, reference),
-        "init_peak": init_memory.peak, "init_largest": init_memory.largest,
+        "init_peak": init_memory.peak,
+        "init_largest": init_memory.largest,
         "init_mismatch": shard_mismatches(prog, gm, full, rank),
         "buffers": {n: torch.equal(b, reference.get_buffer(n)) for n, b in gm.named_buffers()},
         "full_state": prog.full_state_dict(gm),
     }
-    result["errors"] = train_next_to_ddp(prog, gm, reference, batches(kind, seed, rank), seed,
-                                         call(kind), output)
+    result["errors"] = train_next_to_ddp(
+        prog, gm, reference, batches(kind, seed, rank), seed, call(kind), output
+    )
     checkpoint = rtp_compile.materialize_full(model, seed + 1).state_dict()
     stored32 = {k: v.float().double() for k, v in checkpoint.items()}  # the .safetensors is fp32
     for path, expected in (("pt", checkpoint), ("st", stored32)):
@@ -121,8 +139,9 @@ def meta_job(rank: int, world_size: int, kind: str, seed: int, pt: str, st: str)
             loaded = prog.module(rank, device="cpu", checkpoint=pt if path == "pt" else st)
         result[f"{path}_peak"] = memory.peak
         result[f"{path}_mismatch"] = shard_mismatches(prog, loaded, expected, rank)
-        result[f"{path}_buffers"] = {n: torch.equal(b, reference.get_buffer(n))
-                                     for n, b in loaded.named_buffers()}
+        result[f"{path}_buffers"] = {
+            n: torch.equal(b, reference.get_buffer(n)) for n, b in loaded.named_buffers()
+        }
     prog.load_full_state_dict(gm, st)  # the trained module takes the checkpoint back
     result["load_mismatch"] = shard_mismatches(prog, gm, stored32, rank)
     return result
@@ -132,6 +151,7 @@ def write_checkpoints(kind: str, seed: int, tmp_path) -> tuple[str, str]:
     """The twin of seed+1 as a torch.save'd state_dict (every name, tied ones too) and as
     float32 safetensors holding a tied weight under one name only (as transformers saves)."""
     from safetensors.torch import save_file
+
     model = meta_model(kind)
     state = rtp_compile.materialize_full(model, seed + 1).state_dict()
     pt, st = str(tmp_path / "full.pt"), str(tmp_path / "full.safetensors")
@@ -154,7 +174,9 @@ def test_meta_model_materialises_shards_only(kind, world_size, seed, tmp_path):
     for rank, r in enumerate(results):
         assert r["meta_after"], "materialising changed the user's meta model"
         # initialisers: exactly the unsharded twin's values, cut
-        assert not r["init_mismatch"], f"rank {rank}: shards differ from the twin's: {r['init_mismatch']}"
+        assert not r["init_mismatch"], (
+            f"rank {rank}: shards differ from the twin's: {r['init_mismatch']}"
+        )
         assert all(r["buffers"].values()), f"rank {rank}: buffers {r['buffers']}"
         full = r["full_state"]
         assert list(full) == list(reference)
@@ -170,10 +192,12 @@ def test_meta_model_materialises_shards_only(kind, world_size, seed, tmp_path):
         assert not r["load_mismatch"], f"rank {rank}: {r['load_mismatch']}"
         # memory: the tracker sees the shards being made, and never more than them + one module
         b = r["bounds"]
-        print(f"{kind} N={world_size} rank {rank}: init peak {r['init_peak']:,} B, largest "
-              f"{r['init_largest']:,} B; pt peak {r['pt_peak']:,} B, st peak {r['st_peak']:,} B; "
-              f"shards {b['shards']:,} + buffers {b['buffers']:,} + largest module "
-              f"{b['module']:,} (model {b['model']:,})")
+        print(
+            f"{kind} N={world_size} rank {rank}: init peak {r['init_peak']:,} B, largest "
+            f"{r['init_largest']:,} B; pt peak {r['pt_peak']:,} B, st peak {r['st_peak']:,} B; "
+            f"shards {b['shards']:,} + buffers {b['buffers']:,} + largest module "
+            f"{b['module']:,} (model {b['model']:,})"
+        )
         assert b["shards"] + b["module"] < b["model"], "model too small for the test to mean much"
         assert b["shards"] <= r["init_peak"] <= b["shards"] + b["buffers"] + b["module"], b
         assert r["init_largest"] <= b["module"]
@@ -183,14 +207,15 @@ def test_meta_model_materialises_shards_only(kind, world_size, seed, tmp_path):
 
 # -- semantics and errors, in one process (module(rank) needs no process group) ---------------
 
+
 def test_init_is_the_modules_own_seeded_per_module():
     model = meta_model("gpt")
     a, b = (rtp_compile.materialize_full(model, s) for s in (0, 0))
     other = rtp_compile.materialize_full(model, 1)
     assert all(torch.equal(a.state_dict()[k], v) for k, v in b.state_dict().items())
     assert not torch.equal(a.wte.weight, other.wte.weight)
-    assert a.lm_head.weight is a.wte.weight                    # still tied
-    assert all(p.is_meta for p in model.parameters())          # the meta model is untouched
+    assert a.lm_head.weight is a.wte.weight  # still tied
+    assert all(p.is_meta for p in model.parameters())  # the meta model is untouched
     # TinyGPT._init_weights after reset_parameters: N(0, 0.02) weights, zero biases, unit norms
     qkv = a.blocks[0].attn.qkv
     assert abs(qkv.weight.std().item() - 0.02) < 0.005 and not qkv.bias.any()
@@ -199,6 +224,7 @@ def test_init_is_the_modules_own_seeded_per_module():
     assert not torch.equal(a.blocks[0].attn.proj.weight, a.blocks[1].attn.proj.weight)
     # a module's values do not depend on the others: seed of (0, name) alone
     from rtp_compile.state.materialize import init_module
+
     alone = init_module(model, "blocks.1.attn.proj", ["weight", "bias"], [], "cpu", 0)
     assert torch.equal(alone["weight"], a.blocks[1].attn.proj.weight)
 
@@ -211,8 +237,10 @@ def test_llama_init_follows_transformers_init_weights():
     assert abs(w.std().item() - config.initializer_range) < 0.005
     assert torch.equal(model.model.norm.weight, torch.ones(16, dtype=torch.float64))
     head_dim = 16 // 4  # rotary inv_freq recomputed by _init_weights, as in eager
-    expected = 1.0 / (config.rope_parameters["rope_theta"] **
-                      (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    expected = 1.0 / (
+        config.rope_parameters["rope_theta"]
+        ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+    )
     assert torch.equal(model.model.rotary_emb.inv_freq, expected.double())
 
 
@@ -235,6 +263,7 @@ def test_meta_program_without_device_stays_meta():
 def test_bad_checkpoint_names_the_parameter_and_writes_nothing(tmp_path):
     pytest.importorskip("safetensors")
     from safetensors.torch import save_file
+
     model = meta_model("gpt")
     prog = rtp_compile.transform(model, 2)
     gm = prog.module(1, device="cpu", seed=0)
@@ -242,14 +271,24 @@ def test_bad_checkpoint_names_the_parameter_and_writes_nothing(tmp_path):
     state = rtp_compile.materialize_full(model, 1).state_dict()
     wrong = dict(state, **{"blocks.1.mlp.0.weight": torch.zeros(48, 11, dtype=torch.float64)})
     torch.save(wrong, tmp_path / "wrong.pt")
-    missing = {k: v.contiguous() for k, v in state.items()
-               if k not in ("blocks.0.attn.proj.bias", "wte.weight", "lm_head.weight")}
+    missing = {
+        k: v.contiguous()
+        for k, v in state.items()
+        if k not in ("blocks.0.attn.proj.bias", "wte.weight", "lm_head.weight")
+    }
     save_file(missing, tmp_path / "missing.safetensors")
-    for path, error, names in ((tmp_path / "wrong.pt", ValueError, ["blocks.1.mlp.0.weight"]),
-                               (tmp_path / "missing.safetensors", KeyError,
-                                ["blocks.0.attn.proj.bias", "wte.weight/lm_head.weight"])):
-        for load in (lambda: prog.load_full_state_dict(gm, path),
-                     lambda: prog.module(1, device="cpu", checkpoint=path)):
+    for path, error, names in (
+        (tmp_path / "wrong.pt", ValueError, ["blocks.1.mlp.0.weight"]),
+        (
+            tmp_path / "missing.safetensors",
+            KeyError,
+            ["blocks.0.attn.proj.bias", "wte.weight/lm_head.weight"],
+        ),
+    ):
+        for load in (
+            lambda: prog.load_full_state_dict(gm, path),
+            lambda: prog.module(1, device="cpu", checkpoint=path),
+        ):
             with pytest.raises(error) as info:
                 load()
             assert all(n in str(info.value) for n in names), str(info.value)

@@ -4,16 +4,17 @@ same policy. The shards the optimizer steps stay float32, their gradients land i
 the weights rotate in bfloat16 and the gradient accumulators in float32 (seen on the messages
 the runtime sends), and the losses of a few AdamW steps differ from FSDP2's by no more than
 bfloat16 rounding explains: measured against FSDP2-bf16's own distance from float32 training."""
+
 import pickle
 
 import pytest
 import torch
 import torch.distributed as dist
+from hf_zoo import logits_of
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import rtp_compile
-from hf_zoo import logits_of
 from rtp_compile.apps.models import GPTConfig, TinyGPT, lm_loss
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -22,14 +23,19 @@ CONFIG = GPTConfig(vocab_size=53, block_size=8, n_layer=2, n_head=5, n_embd=25)
 BATCH, STEPS, LR = 4, 4, 1e-2
 # every runtime path once: small parameters gathered per step and unbucketed units (the
 # default); one bucket of everything with rotated norms; gathered norms (no affine split)
-RTP_OPTIONS = {"default": {}, "bucketed": {"bucket_bytes": 1 << 30, "small_param_bytes": 0},
-               "gathered": {"disable": ["split_norm_affine", "fuse_blocks"]}}
+RTP_OPTIONS = {
+    "default": {},
+    "bucketed": {"bucket_bytes": 1 << 30, "small_param_bytes": 0},
+    "gathered": {"disable": ["split_norm_affine", "fuse_blocks"]},
+}
 
 
 def _batches(seed: int, rank: int):
     gen = torch.Generator().manual_seed(seed * 100 + rank)
-    return [torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen)
-            for _ in range(STEPS)]
+    return [
+        torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size + 1), generator=gen)
+        for _ in range(STEPS)
+    ]
 
 
 def _train(module, params, batches) -> tuple[list[float], torch.dtype]:
@@ -49,6 +55,7 @@ def _train(module, params, batches) -> tuple[list[float], torch.dtype]:
 def _fsdp2(model, world_size: int, policy):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh("cpu", (world_size,))
     kwargs = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
     for block in model.blocks:
@@ -60,11 +67,13 @@ def _watch_ring(sent: list):
     """Record the dtypes and bytes of every message this rank's runtime sends (the real
     send still happens): the runtime's own `ring.shift_start`, wrapped."""
     from rtp_compile.runtime import ring
+
     send = ring.shift_start
 
     def watched(tensors, group_name, shift, tag, where, pooled=True):
-        sent.append((where, {t.dtype for t in tensors},
-                     sum(t.numel() * t.element_size() for t in tensors)))
+        sent.append(
+            (where, {t.dtype for t in tensors}, sum(t.numel() * t.element_size() for t in tensors))
+        )
         return send(tensors, group_name, shift, tag, where, pooled)
 
     ring.shift_start = watched
@@ -75,6 +84,7 @@ def _first_step(prog, rank: int, batch) -> dict:
     """One forward and backward of a fresh rank module: the dtypes of its shards and their
     gradients, and what the ring sent (bytes, and each message as `_watch_ring` saw it)."""
     from rtp_compile.runtime import ring
+
     gm = prog.module(rank)
     sent = []
     send = _watch_ring(sent)
@@ -84,11 +94,17 @@ def _first_step(prog, rank: int, batch) -> dict:
         traffic = ring.traffic["bytes"] - before
     finally:
         ring.shift_start = send
-    return {"params": {p.dtype for p in gm.parameters()},
-            "grads": {p.grad.dtype for p in gm.parameters()},
-            "shards": all(tuple(gm.get_parameter(n).shape) == lay.shard_shape
-                          for n, lay in prog.plan.params.items()),
-            "traffic": traffic, "sent": sent, "kinds": {u.kind for u in prog.plan.units}}
+    return {
+        "params": {p.dtype for p in gm.parameters()},
+        "grads": {p.grad.dtype for p in gm.parameters()},
+        "shards": all(
+            tuple(gm.get_parameter(n).shape) == lay.shard_shape
+            for n, lay in prog.plan.params.items()
+        ),
+        "traffic": traffic,
+        "sent": sent,
+        "kinds": {u.kind for u in prog.plan.units},
+    }
 
 
 def mixed_precision_job(rank: int, world_size: int, seed: int) -> dict:
@@ -106,8 +122,10 @@ def mixed_precision_job(rank: int, world_size: int, seed: int) -> dict:
     for kind, options in RTP_OPTIONS.items():
         prog = rtp_compile.transform(model, world_size, mp_policy=BF16, **options)
         fp32 = rtp_compile.transform(model, world_size, **options)
-        out[kind] = {"bf16": _first_step(prog, rank, batches[0]),
-                     "fp32": _first_step(fp32, rank, batches[0])}
+        out[kind] = {
+            "bf16": _first_step(prog, rank, batches[0]),
+            "fp32": _first_step(fp32, rank, batches[0]),
+        }
         gm = prog.module(rank)
         out[kind]["losses"], out[kind]["dtype"] = _train(gm, gm.parameters(), batches)
     dist.barrier()
@@ -128,8 +146,9 @@ def _ring_checks(bf16: dict, fp32: dict) -> None:
     for (where, dtypes, sent), (_, _, sent32) in zip(bf16["sent"], fp32["sent"]):
         kind = "gradient" if "gradient hop" in where else "weight"
         kinds.add(kind)
-        expected = ({torch.float32}, sent32) if kind == "gradient" else \
-            ({torch.bfloat16}, sent32 // 2)
+        expected = (
+            ({torch.float32}, sent32) if kind == "gradient" else ({torch.bfloat16}, sent32 // 2)
+        )
         assert (dtypes, sent) == expected, (where, dtypes, sent, sent32)
     assert kinds == {"gradient", "weight"}
 
@@ -148,16 +167,24 @@ def test_training_in_bfloat16_matches_fsdp2_with_the_same_policy(world_size, see
     for rank, r in enumerate(results):
         fp32, bf16 = r["fsdp2-fp32"][0], r["fsdp2-bf16"][0]
         reference = _gap(bf16, fp32)
-        print(f"N={world_size} rank {rank}: FSDP2-bf16 vs fp32 {reference:.2e}; RTP-bf16 vs "
-              f"FSDP2-bf16 " + ", ".join(f"{k} {_gap(r[k]['losses'], bf16):.2e}"
-                                         for k in RTP_OPTIONS)
-              + "; ring bytes bf16/fp32 " + ", ".join(
-                  f"{k} {r[k]['bf16']['traffic']}/{r[k]['fp32']['traffic']}" for k in RTP_OPTIONS))
+        print(
+            f"N={world_size} rank {rank}: FSDP2-bf16 vs fp32 {reference:.2e}; RTP-bf16 vs "
+            f"FSDP2-bf16 "
+            + ", ".join(f"{k} {_gap(r[k]['losses'], bf16):.2e}" for k in RTP_OPTIONS)
+            + "; ring bytes bf16/fp32 "
+            + ", ".join(
+                f"{k} {r[k]['bf16']['traffic']}/{r[k]['fp32']['traffic']}" for k in RTP_OPTIONS
+            )
+        )
         for kind in RTP_OPTIONS:
             _ring_checks(r[kind]["bf16"], r[kind]["fp32"])
             assert r[kind]["dtype"] == r["fsdp2-bf16"][1] == torch.bfloat16  # compute dtype
-            assert _gap(r[kind]["losses"], bf16) <= max(4 * reference, 2 ** -10), \
-                (kind, r[kind]["losses"], bf16, fp32)
+            assert _gap(r[kind]["losses"], bf16) <= max(4 * reference, 2**-10), (
+                kind,
+                r[kind]["losses"],
+                bf16,
+                fp32,
+            )
         assert "small" in r["default"]["bf16"]["kinds"]
         assert "fused" in r["bucketed"]["bf16"]["kinds"]
         assert "gather" in r["gathered"]["bf16"]["kinds"]
@@ -179,8 +206,10 @@ def test_the_policy_travels_with_the_program_and_shows_in_report_code_and_cost()
     model, x = MLP(), {"x": torch.randn(4, 6)}
     prog = pickle.loads(pickle.dumps(rtp_compile.transform(model, 2, mp_policy=BF16)))
     assert prog.ctx.options.mp_policy == BF16
-    assert "compute and rotation in torch.bfloat16, gradients reduced in torch.float32" \
+    assert (
+        "compute and rotation in torch.bfloat16, gradients reduced in torch.float32"
         in prog.report()
+    )
     code = prog.module(0).code
     assert code.count(".to(torch.bfloat16)") == len(prog.plan.params), code
     fp32 = rtp_compile.transform(model, 2)
@@ -211,9 +240,12 @@ def test_an_op_that_cannot_compute_in_param_dtype_is_named():
     with no bfloat16 kernel: each a clear error naming the unit and its parameters."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False)
     gm = rtp_compile.transform(MLP(), 1, mp_policy=policy).module(0)
-    with pytest.raises(TypeError, match=r"unit fc2 \(fused block of fc1.weight, fc1.bias, "
-                       r"fc2.weight, fc2.bias\) computes in torch.bfloat16 .* but its input is "
-                       r"torch.float32"):
+    with pytest.raises(
+        TypeError,
+        match=r"unit fc2 \(fused block of fc1.weight, fc1.bias, "
+        r"fc2.weight, fc2.bias\) computes in torch.bfloat16 .* but its input is "
+        r"torch.float32",
+    ):
         gm(torch.randn(4, 6))
     gm = rtp_compile.transform(MLP(), 1, mp_policy=policy, fuse=False).module(0)
     with pytest.raises(TypeError, match=r"unit fc1 \(linear of fc1.weight, fc1.bias\)"):
@@ -228,8 +260,11 @@ def test_an_op_that_cannot_compute_in_param_dtype_is_named():
             return x @ torch.linalg.inv(self.w)
 
     gm = rtp_compile.transform(Inverse(), 1, mp_policy=BF16).module(0)
-    with pytest.raises(RuntimeError, match=r"gathered op .* \(parameters w\) failed with its "
-                                           r"parameters in torch.bfloat16"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"gathered op .* \(parameters w\) failed with its "
+        r"parameters in torch.bfloat16",
+    ):
         gm(torch.randn(2, 3))
 
 
@@ -240,8 +275,9 @@ def test_a_policy_that_is_not_fsdp2s_is_refused():
         rtp_compile.transform(MLP(), 1, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "opt", "neox", "qwen2", "t5",
-                                  "torch_encoder"])
+@pytest.mark.parametrize(
+    "name", ["gpt2", "llama", "bert", "opt", "neox", "qwen2", "t5", "torch_encoder"]
+)
 def test_an_exported_model_is_captured_computing_in_param_dtype(name):
     """torch.export bakes the dtypes a model's code derives from its parameters into the graph
     (a norm's cast back to its input's dtype, a mask's `finfo(dtype).min`) and asserts the
@@ -251,17 +287,25 @@ def test_an_exported_model_is_captured_computing_in_param_dtype(name):
     rounding. One rank: no process group needed."""
     pytest.importorskip("transformers")
     from hf_zoo import build_hf, hf_batch
+
     model = build_hf(name, 0).float()
-    batch = {k: v.float() if v.is_floating_point() else v
-             for k, v in hf_batch(name, 0, 0, 0).items()}
+    batch = {
+        k: v.float() if v.is_floating_point() else v for k, v in hf_batch(name, 0, 0, 0).items()
+    }
     storages = [p.data_ptr() for p in model.parameters()]
     prog = rtp_compile.transform(model, 1, example_kwargs=batch, mp_policy=BF16)
     assert [p.data_ptr() for p in model.parameters()] == storages
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert not [n for n in prog.graph_module.graph.nodes
-                if n.target is torch.ops.aten._assert_tensor_metadata.default]
+    assert not [
+        n
+        for n in prog.graph_module.graph.nodes
+        if n.target is torch.ops.aten._assert_tensor_metadata.default
+    ]
     out = logits_of(prog.module(0)(**batch))
     assert out.dtype == torch.bfloat16
-    reference = logits_of(model.to(torch.bfloat16)(
-        **{k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in batch.items()}))
+    reference = logits_of(
+        model.to(torch.bfloat16)(
+            **{k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in batch.items()}
+        )
+    )
     torch.testing.assert_close(out.float(), reference.float(), atol=0.05, rtol=0.05)

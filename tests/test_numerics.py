@@ -1,10 +1,11 @@
 """Clipping, gradient accumulation and activation checkpointing behave as under DDP (issue 12),
 float64, in real gloo jobs."""
+
 import pytest
 import torch
+from jobs import checkpointed_like_ddp, clip_like_ddp, micro_batches_like_ddp
 
 import rtp_compile
-from jobs import checkpointed_like_ddp, clip_like_ddp, micro_batches_like_ddp
 
 TOL = 1e-9
 
@@ -31,25 +32,33 @@ def test_micro_batches_accumulate_like_ddp(seed):
     """Three micro-batches of different sizes per optimizer step, accumulated into gradients
     that are None (first step) or zero tensors (zero_grad(set_to_none=False), second step):
     the gradients and the parameters after each AdamW step equal DDP's."""
-    for rank, r in enumerate(rtp_compile.launch(micro_batches_like_ddp, 3, args=(seed,),
-                                                timeout=200)):
+    for rank, r in enumerate(
+        rtp_compile.launch(micro_batches_like_ddp, 3, args=(seed,), timeout=200)
+    ):
         assert r["grad"] <= TOL and r["param"] <= TOL and r["grads_kept"], (rank, r)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size,capture,bucket_bytes", [(2, "fx", None), (3, "export", 0)])
-def test_activation_checkpoints_recompute_by_rotation_like_ddp(world_size, capture,
-                                                               bucket_bytes, seed):
+def test_activation_checkpoints_recompute_by_rotation_like_ddp(
+    world_size, capture, bucket_bytes, seed
+):
     """Blocks under torch.utils.checkpoint(use_reentrant=False), captured by torch.fx or
     torch.export, bucketed or not: each becomes a checkpointed region of the rank's program;
     outputs, gradients and two AdamW steps equal DDP's on the same checkpointed model; the
     backward re-runs each region's forward hops (its weights fetched again by rotation, one
     message per step: each block is one fused unit) and leaves nothing in flight; the peak
     falls (benchmarks/checkpointing.py measures by how much)."""
-    for rank, r in enumerate(rtp_compile.launch(checkpointed_like_ddp, world_size,
-                                                args=(seed, capture, bucket_bytes), timeout=200)):
-        assert r["regions"] == ["rtp_checkpoints.region0", "rtp_checkpoints.region1",
-                                "rtp_checkpoints.region2"], (rank, r)
+    for rank, r in enumerate(
+        rtp_compile.launch(
+            checkpointed_like_ddp, world_size, args=(seed, capture, bucket_bytes), timeout=200
+        )
+    ):
+        assert r["regions"] == [
+            "rtp_checkpoints.region0",
+            "rtp_checkpoints.region1",
+            "rtp_checkpoints.region2",
+        ], (rank, r)
         for what in ("output", "grad", "param"):
             assert r[what] <= TOL, (rank, what, r)
         (forward, backward), (plain_forward, plain_backward) = r["hops"][True], r["hops"][False]
@@ -77,6 +86,7 @@ def test_a_reentrant_checkpoint_is_refused_with_what_to_do(capture):
 def _user_checkpointed_convnet(rank: int, world_size: int, seed: int) -> list:
     from matrix_cells import cell_ac_user
     from matrix_spec import FAMILY
+
     return cell_ac_user(FAMILY["convnet-fx"], rank, world_size, seed)
 
 
@@ -87,6 +97,8 @@ def test_a_checkpointed_batchnorm_updates_its_statistics_like_ddp(seed):
     inputs (whose saved-tensor version check refused the update on recomputation); outputs,
     gradients and an AdamW step equal DDP's. The feature matrix's cell (tests/matrix_cells.py)."""
     from matrix_spec import unmet
-    for rank, checks in enumerate(rtp_compile.launch(_user_checkpointed_convnet, 2,
-                                                     args=(seed,), timeout=240)):
+
+    for rank, checks in enumerate(
+        rtp_compile.launch(_user_checkpointed_convnet, 2, args=(seed,), timeout=240)
+    ):
         assert checks and not unmet(checks), (rank, checks)

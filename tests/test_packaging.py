@@ -1,5 +1,6 @@
 """A normal (non-editable) install ships every module of the package, its data (the demo's text)
 and the console script."""
+
 import pathlib
 import subprocess
 import sys
@@ -12,9 +13,22 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.mark.timeout(300)
 def test_wheel_ships_every_module_of_the_package(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                          "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
-                         capture_output=True, text=True, timeout=240)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     (wheel,) = tmp_path.glob("rtp_compile-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

@@ -1,11 +1,12 @@
 """`gm.parameters()` of a rank module is exactly that rank's shards, one per model parameter:
 what an optimizer built on it steps (no placeholders, no copies, nothing left out). The
 transformers models are checked the same way by `jobs.hf_parity`, on every rank they train."""
+
 import pytest
 import torch
+from zoo import ZOO, build
 
 import rtp_compile
-from zoo import ZOO, build
 
 
 def assert_exactly_the_shards(model: torch.nn.Module, prog, rank: int):
@@ -27,10 +28,10 @@ def test_rank_parameters_are_the_shards(name, world_size):
         assert_exactly_the_shards(model, prog, rank)
 
 
-
 def _live_tensor_bytes() -> int:
     """Bytes of every tensor storage alive in this process, each storage once."""
     import gc
+
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
@@ -49,11 +50,13 @@ def test_a_rank_module_does_not_keep_the_users_model(name):
     tensor bytes of the process fall by the model's parameters."""
     import gc
     import weakref
+
     if name == "gpt":
         model, examples = build("gpt", 0), {}
     else:
         pytest.importorskip("transformers")
         from hf_zoo import build_hf, hf_batch
+
         model, examples = build_hf(name, 0), {"example_kwargs": hf_batch(name, 0, 0, 0)}
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     prog = rtp_compile.transform(model, 2, **examples)

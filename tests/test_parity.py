@@ -3,10 +3,11 @@
 Each rank's output equals the unsharded model's on that rank's batch; the gathered shard
 gradients equal DDP's (mean over ranks); three AdamW steps equal DDP's three steps.
 """
+
 import pytest
+from jobs import parity
 
 import rtp_compile
-from jobs import parity
 
 MODELS = ["mlp", "gpt", "conv", "norule", "shared", "tiedbias", "attention"]
 TOL = 1e-9

@@ -1,20 +1,21 @@
 """Each pass on small graphs, in one process: the invariant its docstring states."""
+
 import operator
 
 import pytest
 import torch
 from torch import nn
+from zoo import build, tiny_gpt
 
 import rtp_compile
 from rtp_compile.capture.trace import capture
 from rtp_compile.core.ir import unit_of
-from rtp_compile.core.op_rules import RULES, External, Step
-from rtp_compile.passes.lower_modules import lower_modules
-from rtp_compile.passes.analysis.match import match_op, parameter_reads
 from rtp_compile.core.layout import ParamLayout
+from rtp_compile.core.op_rules import RULES, External, Step
+from rtp_compile.passes.analysis.match import match_op, parameter_reads
+from rtp_compile.passes.lower_modules import lower_modules
 from rtp_compile.passes.manager.context import Context, Options
 from rtp_compile.passes.split_norm_affine import split_norm_affine
-from zoo import build, tiny_gpt
 
 
 @pytest.fixture(autouse=True)
@@ -27,8 +28,9 @@ def float64_by_default():
     torch.set_default_dtype(previous)
 
 
-@pytest.mark.parametrize("shape,dim", [((10, 6), 0), ((10, 6), 1), ((5,), 0), ((3, 1, 7), 2),
-                                       ((2, 3), None), ((), None)])
+@pytest.mark.parametrize(
+    "shape,dim", [((10, 6), 0), ((10, 6), 1), ((5,), 0), ((3, 1, 7), 2), ((2, 3), None), ((), None)]
+)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
 def test_layout_shards_cover_the_tensor_once_with_zero_padding(shape, dim, world_size):
     full = torch.randn(shape)
@@ -58,8 +60,14 @@ def test_tied_embedding_and_head_share_one_layout():
 def test_every_parameter_is_rotated_or_gathered_with_a_reason():
     plan = _plan(build("norule", 0))
     strategies = {n: plan.strategy(n) for n in plan.params}
-    assert strategies == {"mix": "gather", "batch_w": "gather", "scale": "gather",
-                          "cls": "gather", "proj.weight": "rotate", "proj.bias": "rotate"}
+    assert strategies == {
+        "mix": "gather",
+        "batch_w": "gather",
+        "scale": "gather",
+        "cls": "gather",
+        "proj.weight": "rotate",
+        "proj.bias": "rotate",
+    }
     reasons = {u.target: u.reason for u in plan.units if u.kind == "gather"}
     assert reasons["einsum"] == "no shard rule for einsum"
     assert reasons["expand"] == "no shard rule for expand"  # batch_w and cls, expanded by B
@@ -92,8 +100,9 @@ def test_parameter_metadata_reads_need_no_gather():
             self.fc = nn.Linear(4, 6)
 
         def forward(self, x):
-            return self.fc(x) * self.fc.weight.shape[0] + self.fc.weight.size(1) + \
-                self.fc.weight.dim()
+            return (
+                self.fc(x) * self.fc.weight.shape[0] + self.fc.weight.size(1) + self.fc.weight.dim()
+            )
 
     model = ShapeUser()
     prog = rtp_compile.transform(model, 2)
@@ -160,10 +169,15 @@ def test_adapters_agree_across_capture_levels():
         reads = parameter_reads(gm)
         calls = [match_op(n, gm, reads) for n in gm.graph.nodes]
         seen = sorted((c.rule.name, tuple(sorted(c.params.values()))) for c in calls if c)
-        assert seen == sorted([
-            ("linear", ("fc1.bias", "fc1.weight")), ("elementwise", ("norm.bias", "norm.weight")),
-            ("linear", ("fc2.weight",)), ("elementwise", ("rms.weight",)),
-            ("linear", ("head.bias", "head.weight"))]), level
+        assert seen == sorted(
+            [
+                ("linear", ("fc1.bias", "fc1.weight")),
+                ("elementwise", ("norm.bias", "norm.weight")),
+                ("linear", ("fc2.weight",)),
+                ("elementwise", ("rms.weight",)),
+                ("linear", ("head.bias", "head.weight")),
+            ]
+        ), level
 
 
 def test_after_rotate_only_units_read_parameters():
@@ -173,37 +187,92 @@ def test_after_rotate_only_units_read_parameters():
         units = {u.name for u in prog.plan.units}
         for node in prog.graph.nodes:
             if node.op == "get_attr" and node.target in params:
-                assert all(unit_of(u) in units
-                           for u in node.users), node
+                assert all(unit_of(u) in units for u in node.users), node
 
 
 RULE_CASES = [
     # rule, options, params {role: shape}, input shape, op computing the full result
-    ("linear", {"transposed": False}, {"weight": (10, 6), "bias": (10,)}, (2, 3, 6),
-     lambda x, p: torch.nn.functional.linear(x, p["weight"], p["bias"])),
-    ("linear", {"transposed": True}, {"weight": (6, 10)}, (4, 6),
-     lambda x, p: x @ p["weight"]),
-    ("conv", {"stride": [2, 1], "padding": [1, 0], "dilation": [1, 2], "transposed": False,
-              "output_padding": [0, 0]}, {"weight": (5, 3, 3, 2), "bias": (5,)}, (2, 3, 7, 6),
-     lambda x, p: torch.conv2d(x, p["weight"], p["bias"], [2, 1], [1, 0], [1, 2])),
-    ("conv", {"stride": [2], "padding": [1], "dilation": [1], "transposed": True,
-              "output_padding": [1]}, {"weight": (3, 5, 3), "bias": (5,)}, (2, 3, 6),
-     lambda x, p: torch.conv_transpose1d(x, p["weight"], p["bias"], 2, 1, 1)),
-    ("embedding", {"padding_idx": 2, "scale_grad_by_freq": True}, {"weight": (9, 7)}, (3, 5),
-     lambda x, p: torch.nn.functional.embedding(x, p["weight"], 2, scale_grad_by_freq=True)),
-    ("elementwise", {"dim": -1}, {"weight": (3, 7), "bias": (3, 7)}, (2, 3, 7),
-     lambda x, p: x * p["weight"] + p["bias"]),
-    ("elementwise", {"dim": 1}, {"weight": (5,), "bias": (5,)}, (2, 5, 3, 3),
-     lambda x, p: x * p["weight"].view(5, 1, 1) + p["bias"].view(5, 1, 1)),
+    (
+        "linear",
+        {"transposed": False},
+        {"weight": (10, 6), "bias": (10,)},
+        (2, 3, 6),
+        lambda x, p: torch.nn.functional.linear(x, p["weight"], p["bias"]),
+    ),
+    ("linear", {"transposed": True}, {"weight": (6, 10)}, (4, 6), lambda x, p: x @ p["weight"]),
+    (
+        "conv",
+        {
+            "stride": [2, 1],
+            "padding": [1, 0],
+            "dilation": [1, 2],
+            "transposed": False,
+            "output_padding": [0, 0],
+        },
+        {"weight": (5, 3, 3, 2), "bias": (5,)},
+        (2, 3, 7, 6),
+        lambda x, p: torch.conv2d(x, p["weight"], p["bias"], [2, 1], [1, 0], [1, 2]),
+    ),
+    (
+        "conv",
+        {"stride": [2], "padding": [1], "dilation": [1], "transposed": True, "output_padding": [1]},
+        {"weight": (3, 5, 3), "bias": (5,)},
+        (2, 3, 6),
+        lambda x, p: torch.conv_transpose1d(x, p["weight"], p["bias"], 2, 1, 1),
+    ),
+    (
+        "embedding",
+        {"padding_idx": 2, "scale_grad_by_freq": True},
+        {"weight": (9, 7)},
+        (3, 5),
+        lambda x, p: torch.nn.functional.embedding(x, p["weight"], 2, scale_grad_by_freq=True),
+    ),
+    (
+        "elementwise",
+        {"dim": -1},
+        {"weight": (3, 7), "bias": (3, 7)},
+        (2, 3, 7),
+        lambda x, p: x * p["weight"] + p["bias"],
+    ),
+    (
+        "elementwise",
+        {"dim": 1},
+        {"weight": (5,), "bias": (5,)},
+        (2, 5, 3, 3),
+        lambda x, p: x * p["weight"].view(5, 1, 1) + p["bias"].view(5, 1, 1),
+    ),
     # parameters read through a chain (tests/test_casted_weights.py): a view adding size-1
     # dims, casts (one to a dtype given at run time), scalar arithmetic on either side
-    ("elementwise", {"dim": -1, "shape": (1, 7, 1, 3), "chains": {"weight": (
-        Step(torch.ops.aten.to.dtype, 0, (torch.float32,)), Step(operator.sub, 1, (1.0,)))}},
-     {"weight": (7, 3)}, (2, 7, 4, 3),
-     lambda x, p: x * (1.0 - p["weight"].float().view(1, 7, 1, 3))),
-    ("elementwise", {"dim": -1, "externals": (torch.float64,), "chains": {
-        "weight": (Step("to", 0, (External(0),)),), "bias": (Step("mul", 0, (-0.5,)),)}},
-     {"weight": (3, 7), "bias": (3, 7)}, (2, 3, 7), lambda x, p: x * p["weight"] - p["bias"] / 2),
+    (
+        "elementwise",
+        {
+            "dim": -1,
+            "shape": (1, 7, 1, 3),
+            "chains": {
+                "weight": (
+                    Step(torch.ops.aten.to.dtype, 0, (torch.float32,)),
+                    Step(operator.sub, 1, (1.0,)),
+                )
+            },
+        },
+        {"weight": (7, 3)},
+        (2, 7, 4, 3),
+        lambda x, p: x * (1.0 - p["weight"].float().view(1, 7, 1, 3)),
+    ),
+    (
+        "elementwise",
+        {
+            "dim": -1,
+            "externals": (torch.float64,),
+            "chains": {
+                "weight": (Step("to", 0, (External(0),)),),
+                "bias": (Step("mul", 0, (-0.5,)),),
+            },
+        },
+        {"weight": (3, 7), "bias": (3, 7)},
+        (2, 3, 7),
+        lambda x, p: x * p["weight"] - p["bias"] / 2,
+    ),
 ]
 
 
@@ -215,30 +284,40 @@ def test_rule_steps_reassemble_the_op_and_its_gradients(case, world_size):
     rule_name, options, shapes, x_shape, full_op = case
     rule = RULES[rule_name]
     params = {r: torch.randn(s, requires_grad=True) for r, s in shapes.items()}
-    x = torch.randint(0, 9, x_shape) if rule_name == "embedding" else \
-        torch.randn(x_shape, requires_grad=True)
+    x = (
+        torch.randint(0, 9, x_shape)
+        if rule_name == "embedding"
+        else torch.randn(x_shape, requires_grad=True)
+    )
     y = full_op(x, params)
     dy = torch.randn_like(y)
     grads = torch.autograd.grad(y, [*params.values()] + ([x] if x.is_floating_point() else []), dy)
     for mode, dims in rule.modes(shapes, options).items():
-        layouts = {r: ParamLayout(r, shapes[r], torch.float64, world_size, dims[r])
-                   for r in shapes}
-        shards = {r: [lay.shard(params[r].detach(), s) for s in range(world_size)]
-                  for r, lay in layouts.items()}
+        layouts = {r: ParamLayout(r, shapes[r], torch.float64, world_size, dims[r]) for r in shapes}
+        shards = {
+            r: [lay.shard(params[r].detach(), s) for s in range(world_size)]
+            for r, lay in layouts.items()
+        }
         parts = {}
         for s in range(world_size):
             slots = {r: lay.slot(s) for r, lay in layouts.items()}
-            part = rule.forward_step(mode, options, x.detach(), {r: shards[r][s] for r in shapes},
-                                     slots, shapes)
+            part = rule.forward_step(
+                mode, options, x.detach(), {r: shards[r][s] for r in shapes}, slots, shapes
+            )
             if part is not None:
                 parts[s] = part
         combine = rule.combine(mode, options, shapes)
-        out = torch.cat([parts[s] for s in sorted(parts)], combine.dim) if combine.how == "cat" \
+        out = (
+            torch.cat([parts[s] for s in sorted(parts)], combine.dim)
+            if combine.how == "cat"
             else sum(parts[s] for s in sorted(parts))
+        )
         assert torch.allclose(out, y, atol=1e-12), mode
         dx = torch.zeros_like(x) if x.is_floating_point() else None
-        acc = {r: [torch.zeros(lay.shard_shape) for _ in range(world_size)]
-               for r, lay in layouts.items()}
+        acc = {
+            r: [torch.zeros(lay.shard_shape) for _ in range(world_size)]
+            for r, lay in layouts.items()
+        }
         for s in range(world_size):
             slots = {r: lay.slot(s) for r, lay in layouts.items()}
             here = {r: shards[r][s] for r in shapes}
@@ -261,8 +340,10 @@ def test_tied_output_layer_with_bias_is_row_split():
 def test_ring_ops_have_fake_implementations():
     """Graphs with ring ops trace under FakeTensorMode without any communication."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     import rtp_compile.runtime.ring  # noqa: F401
     from rtp_compile.runtime.packing import unpack
+
     with FakeTensorMode():
         w, b = torch.empty(3, 4), torch.empty(3)
         hop = torch.ops.rtp.ring_shift_start([w, b], "", 1, 0, "fake")
@@ -274,6 +355,7 @@ def test_ring_ops_have_fake_implementations():
 
 def test_one_flat_message_per_hop_packs_mixed_dtypes_aligned():
     from rtp_compile.runtime.packing import pack, specs_of, unpack
+
     tensors = [torch.randn(3, 5), torch.randn(7).to(torch.bfloat16), torch.arange(4)]
     flat = pack(tensors)
     assert flat.dtype == torch.uint8
@@ -334,14 +416,14 @@ def test_blocks_are_not_fused_where_it_would_not_be_exact():
 
 def test_native_layer_norm_of_decomposed_graphs_is_split_and_rotated():
     """Graphs decomposed below the training IR use aten.native_layer_norm (a tuple)."""
+
     class Decomposed(nn.Module):
         def __init__(self):
             super().__init__()
             self.weight, self.bias = nn.Parameter(torch.randn(6)), nn.Parameter(torch.randn(6))
 
         def forward(self, x):
-            out, mean, rstd = torch.ops.aten.native_layer_norm(x, [6], self.weight, self.bias,
-                                                               1e-5)
+            out, mean, rstd = torch.ops.aten.native_layer_norm(x, [6], self.weight, self.bias, 1e-5)
             return out * 2 + mean
 
     model = Decomposed()
@@ -353,8 +435,10 @@ def test_native_layer_norm_of_decomposed_graphs_is_split_and_rotated():
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("shape,dim,granule", [((12, 5), 0, 4), ((8, 5), 0, 4), ((5, 16), 1, 8),
-                                               ((6,), 0, 3), ((12, 5), 0, 12)])
+@pytest.mark.parametrize(
+    "shape,dim,granule",
+    [((12, 5), 0, 4), ((8, 5), 0, 4), ((5, 16), 1, 8), ((6,), 0, 3), ((12, 5), 0, 12)],
+)
 def test_layout_granules_hold_whole_heads_with_zero_padding(shape, dim, granule, world_size):
     """Shards of whole granules (3 heads at N=2 or 4, 2 kv heads at N=3: some shard holds none):
     still one cover of the tensor, padding zero and at the end, shard s <-> groups of shard s."""
@@ -371,8 +455,14 @@ def test_layout_granules_hold_whole_heads_with_zero_padding(shape, dim, granule,
         assert not shard.narrow(dim, slot.valid, slot.length - slot.valid).any()
     assert sum(layout.slot(s).valid for s in range(world_size)) == shape[dim]
     with pytest.raises(ValueError, match="granule"):
-        ParamLayout("p", shape, full.dtype, world_size, dim, granule=granule + 1 if granule > 1
-                    else shape[dim] + 1)
+        ParamLayout(
+            "p",
+            shape,
+            full.dtype,
+            world_size,
+            dim,
+            granule=granule + 1 if granule > 1 else shape[dim] + 1,
+        )
 
 
 def _fused(plan):
@@ -385,6 +475,7 @@ def test_attention_heads_fuse_through_the_output_projection(world_size, capture)
     """Separate q/k/v -> heads -> SDPA (mask), GQA, or matmul/softmax/matmul with a per-head
     bias -> o_proj: one unit each, cut in whole head groups (a kv head with its q heads)."""
     from zoo import batch
+
     example = (batch("attention", 0, 0, 0),) if capture == "export" else None
     plan = _plan(build("attention", 0), world_size, example_inputs=example, fuse_padding=1.0)
     fused = _fused(plan)
@@ -400,12 +491,14 @@ def test_attention_heads_fuse_through_the_output_projection(world_size, capture)
     # the per-head slope bias (a buffer) is cut with the heads; the mask broadcasts over them
     kinds = {r.kind for rs in fused["o_2"].rewrites.values() for r in rs}
     assert kinds >= {"size", "slice" if capture == "export" else "check"}
-    assert "o.0" in rtp_compile.transform(build("attention", 0), world_size,
-                                          fuse_padding=1.0).report()
+    assert (
+        "o.0" in rtp_compile.transform(build("attention", 0), world_size, fuse_padding=1.0).report()
+    )
     # by default memory comes first: only blocks whose groups N divides are fused
     default = _plan(build("attention", 0), world_size, example_inputs=example)
-    assert sorted(_fused(default)) == [n for n, g in (("o_0", 3), ("o_1", 2), ("o_2", 3))
-                                       if g % world_size == 0]
+    assert sorted(_fused(default)) == [
+        n for n, g in (("o_0", 3), ("o_1", 2), ("o_2", 3)) if g % world_size == 0
+    ]
     assert all("fuse_padding allows 2%" in why for why in default.unfused.values())
 
 
@@ -426,8 +519,10 @@ def test_attention_is_not_fused_where_it_would_not_be_exact():
             B, T, C = x.shape
             kv = other if self.kind == "cross" else x
             e = C // self.h if self.kind == "fx_sizes" else 8 // self.h
-            q, k, v = (f(t).view(B, -1, self.h, e).transpose(1, 2)
-                       for f, t in ((self.q, x), (self.k, kv), (self.v, kv)))
+            q, k, v = (
+                f(t).view(B, -1, self.h, e).transpose(1, 2)
+                for f, t in ((self.q, x), (self.k, kv), (self.v, kv))
+            )
             att = q @ k.transpose(-2, -1)
             if self.kind == "learned_bias":
                 att = att + self.bias

@@ -1,27 +1,42 @@
 """The pass pipeline: one ordered list of `(gm, ctx) -> gm` passes, each one's invariant checked
 after it, optional passes switched off by name without losing parity, a diff per pass."""
+
 import logging
 
 import pytest
 import torch
 import torch.fx as fx
+from jobs import parity_without
+from zoo import build
 
 import rtp_compile
-from jobs import parity_without
 from rtp_compile.core.ir import label_of
 from rtp_compile.passes import PIPELINE
 from rtp_compile.passes.manager.pipeline import InvariantError
-from zoo import build
 
-OPTIONAL = ["lower_modules", "fold_parameter_metadata", "split_norm_affine", "fuse_blocks",
-            "gather_small_params", "bucket_units"]
+OPTIONAL = [
+    "lower_modules",
+    "fold_parameter_metadata",
+    "split_norm_affine",
+    "fuse_blocks",
+    "gather_small_params",
+    "bucket_units",
+]
 
 
 def test_pipeline_is_one_ordered_list_of_checked_passes():
     assert [p.__name__ for p in PIPELINE] == [
-        "lower_modules", "fold_parameter_metadata", "split_norm_affine", "plan_sharding",
-        "fuse_blocks", "gather_small_params", "rotate", "bucket_units", "cast_precision",
-        "schedule"]
+        "lower_modules",
+        "fold_parameter_metadata",
+        "split_norm_affine",
+        "plan_sharding",
+        "fuse_blocks",
+        "gather_small_params",
+        "rotate",
+        "bucket_units",
+        "cast_precision",
+        "schedule",
+    ]
     assert [p.__name__ for p in PIPELINE if not p.required] == OPTIONAL
     assert all(callable(p.check) for p in PIPELINE)
 
@@ -50,15 +65,15 @@ def test_disabled_passes_change_the_plan_as_they_should():
     def kinds(model, **kw):
         return {u.kind for u in rtp_compile.transform(model, 2, **kw).plan.units}
 
-    assert "fused" in kinds(build("gpt", 0)) and "fused" not in kinds(build("gpt", 0),
-                                                                      disable=["fuse_blocks"])
+    assert "fused" in kinds(build("gpt", 0)) and "fused" not in kinds(
+        build("gpt", 0), disable=["fuse_blocks"]
+    )
     plain = rtp_compile.transform(build("conv", 0), 2, disable=["split_norm_affine"])
     assert any(u.kind == "gather" and "norm" in u.target for u in plain.plan.units)
     unlowered = rtp_compile.transform(build("mlp", 0), 2, disable=["lower_modules"])
     assert all(u.kind == "gather" for u in unlowered.plan.units)
     assert "is called as one module" in unlowered.report()
-    assert rtp_compile.transform(build("mlp", 0), 2, disable=["lower_modules"]).pass_log[0] \
-        .skipped
+    assert rtp_compile.transform(build("mlp", 0), 2, disable=["lower_modules"]).pass_log[0].skipped
 
 
 def test_required_or_unknown_passes_cannot_be_disabled():
@@ -70,9 +85,10 @@ def test_required_or_unknown_passes_cannot_be_disabled():
 
 @pytest.mark.timeout(600)
 def test_each_optional_pass_disabled_in_turn_keeps_parity(seed):
-    cases = [(name, "fx", p) for p in OPTIONAL for name in ("mlp", "gpt", "conv")] + \
-        [("attention", "export", p) for p in ("split_norm_affine", "fuse_blocks",
-                                              "gather_small_params")]
+    cases = [(name, "fx", p) for p in OPTIONAL for name in ("mlp", "gpt", "conv")] + [
+        ("attention", "export", p)
+        for p in ("split_norm_affine", "fuse_blocks", "gather_small_params")
+    ]
     results = rtp_compile.launch(parity_without, 2, args=(cases, seed), timeout=400)
     for rank, per_case in enumerate(results):
         assert len(per_case) == len(cases)
@@ -119,7 +135,11 @@ def test_planning_passes_are_marked_and_one_that_changes_the_graph_is_caught(mon
     """plan_sharding, fuse_blocks, gather_small_params and bucket_units only write the plan;
     the runner refuses a planning pass that touched a node."""
     assert [p.__name__ for p in PIPELINE if p.plans_only] == [
-        "plan_sharding", "fuse_blocks", "gather_small_params", "bucket_units"]
+        "plan_sharding",
+        "fuse_blocks",
+        "gather_small_params",
+        "bucket_units",
+    ]
     import rtp_compile.passes as passes
     from rtp_compile.passes.manager.pipeline import graph_pass
 

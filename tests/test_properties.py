@@ -12,6 +12,7 @@ CI runs the "ci" profile (a few examples, fresh ones every run; hypothesis print
 spec and how to replay it). By hand: HYPOTHESIS_PROFILE=thorough python -m pytest
 tests/test_properties.py (200 examples).
 """
+
 import os
 
 import pytest
@@ -20,15 +21,17 @@ hypothesis = pytest.importorskip("hypothesis")
 
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-import rtp_compile  # noqa: E402
 from jobs import random_model_parity  # noqa: E402
 from random_models import model_specs  # noqa: E402
 
-settings.register_profile("ci", max_examples=12, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("thorough", max_examples=200, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+import rtp_compile  # noqa: E402
+
+settings.register_profile(
+    "ci", max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "thorough", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 TOL = 1e-9
@@ -38,12 +41,22 @@ CASTING_NORMS = ("cast", "float", "gemma")
 
 @pytest.mark.timeout(1800)
 @given(spec=model_specs(), world_size=st.integers(1, 4), seed=st.integers(0, 10**6))
-@example(spec={"width": 1, "vocab": None, "layers": [("conv", 2, 1), ("norm", "float")],
-               "tied_head": False, "capture": "fx"}, world_size=1, seed=0)  # found in CI runs
+@example(
+    spec={
+        "width": 1,
+        "vocab": None,
+        "layers": [("conv", 2, 1), ("norm", "float")],
+        "tied_head": False,
+        "capture": "fx",
+    },
+    world_size=1,
+    seed=0,
+)  # found in CI runs
 def test_random_models_match_the_unsharded_model_and_ddp(spec, world_size, seed):
     results = rtp_compile.launch(random_model_parity, world_size, args=(spec, seed), timeout=120)
-    float32_inside = any(kind == "norm" and args[0] in CASTING_NORMS
-                         for kind, *args in spec["layers"])
+    float32_inside = any(
+        kind == "norm" and args[0] in CASTING_NORMS for kind, *args in spec["layers"]
+    )
     for rank, r in enumerate(results):
         for what in ("output", "grad", "param"):
             tol = FLOAT32_TOL if float32_inside and what != "output" else TOL

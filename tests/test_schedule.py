@@ -5,13 +5,14 @@ any op of step k's compute, waited on after step k's compute and before step k+1
 (the schedule the runtime follows): each weight hop is started a step before it is needed, and
 at most two weight and two gradient buffers are in flight.
 """
+
 import pytest
 import torch
+from zoo import build
 
 import rtp_compile
 from rtp_compile.core.ir import label_of, unit_of
 from rtp_compile.passes.schedule import backward_schedule, forward_schedule
-from zoo import build
 
 
 def unit_events(gm):
@@ -27,8 +28,9 @@ def unit_events(gm):
 @pytest.mark.parametrize("bucket_bytes", [0, None])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("model", ["mlp", "gpt", "conv"])
-def test_sends_start_before_the_step_they_overlap_and_wait_before_the_next(model, world_size,
-                                                                          bucket_bytes):
+def test_sends_start_before_the_step_they_overlap_and_wait_before_the_next(
+    model, world_size, bucket_bytes
+):
     """A unit in a bucket has no hops of its own: its step k + 1 comes after the wait for the
     hop that brought it, in the bucket's first unit."""
     prog = rtp_compile.transform(build(model, 0), world_size, bucket_bytes=bucket_bytes)
@@ -93,15 +95,21 @@ def test_emitted_code_reads_as_the_schedule():
 
 
 def _position(gm, unit, step, action):
-    return [i for i, n in enumerate(gm.graph.nodes)
-            if unit_of(n) == unit and (label_of(n).step, label_of(n).action) == (step, action)]
+    return [
+        i
+        for i, n in enumerate(gm.graph.nodes)
+        if unit_of(n) == unit and (label_of(n).step, label_of(n).action) == (step, action)
+    ]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_next_units_first_hop_starts_during_the_last_step_of_the_one_before(world_size):
     model = build("mlp", 0)
-    units = [u.name for u in rtp_compile.transform(model, world_size).plan.units
-             if u.kind in ("rotate", "fused")]
+    units = [
+        u.name
+        for u in rtp_compile.transform(model, world_size).plan.units
+        if u.kind in ("rotate", "fused")
+    ]
     assert len(units) >= 2
     for budget, prefetched in ((None, True), (0, False)):
         gm = rtp_compile.transform(model, world_size, max_bytes_in_flight=budget).module(0)

@@ -1,9 +1,16 @@
 """What a DDP user expects of a training loop holds for the emitted modules."""
+
 import pytest
+from jobs import (
+    accumulate_like_ddp,
+    across_a_recreated_group,
+    buffers_like_ddp,
+    no_grad_then_train,
+    state_dict_roundtrip,
+    subgroup_programs,
+)
 
 import rtp_compile
-from jobs import (accumulate_like_ddp, across_a_recreated_group, buffers_like_ddp,
-                  no_grad_then_train, state_dict_roundtrip, subgroup_programs)
 
 TOL = 1e-9
 
@@ -26,12 +33,16 @@ def test_gradients_accumulate_across_backward_calls_like_ddp(reduction, seed):
 
 @pytest.mark.timeout(300)
 def test_full_state_dict_roundtrip(seed, tmp_path):
-    results = rtp_compile.launch(state_dict_roundtrip, 3, args=(seed, str(tmp_path / "sd")),
-                                 timeout=120)
+    results = rtp_compile.launch(
+        state_dict_roundtrip, 3, args=(seed, str(tmp_path / "sd")), timeout=120
+    )
     for rank, per_model in enumerate(results):
         for name, r in per_model.items():
-            assert r["same_keys"] and r["exact"] and r["loaded"] and r["copies_state"], \
-                (rank, name, r)
+            assert r["same_keys"] and r["exact"] and r["loaded"] and r["copies_state"], (
+                rank,
+                name,
+                r,
+            )
             assert r["output"] <= TOL and r["copies"] <= TOL, (rank, name, r)
 
 
@@ -54,6 +65,6 @@ def test_buffers_behave_as_under_ddp(broadcast, seed):
 @pytest.mark.timeout(300)
 def test_a_job_that_recreates_its_process_group_keeps_training(seed):
     from rtp_compile.runtime.launch import free_port
-    results = rtp_compile.launch(across_a_recreated_group, 2, args=(free_port(), seed),
-                                 timeout=120)
+
+    results = rtp_compile.launch(across_a_recreated_group, 2, args=(free_port(), seed), timeout=120)
     assert results == [{"same_grads": True, "timeout_s": 77.0, "world": True}] * 2

@@ -6,15 +6,16 @@ compute in float32 even for float64 inputs: those two are held to float32 accura
 Mixtral uses experts_implementation="batched_mm" (its eager expert loop breaks every capture;
 grouped_mm has no float64 CPU kernel).
 """
+
 import pytest
 
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-
-import rtp_compile  # noqa: E402
 from hf_zoo import build_hf  # noqa: E402
 from jobs import hf_parity, travelled_program_parity  # noqa: E402
+
+import rtp_compile  # noqa: E402
 
 FLOAT64 = ["gpt2", "bert", "t5", "vit", "torch_encoder"]
 FLOAT32_NORMS = ["llama", "mixtral"]
@@ -27,21 +28,23 @@ ATTENTION_FUSED = {"llama": 2, "mixtral": 1, "bert": 2, "vit": 2}
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_real_models_match_unsharded_and_ddp(world_size, seed):
-    results = rtp_compile.launch(hf_parity, world_size, args=(FLOAT64 + FLOAT32_NORMS, seed),
-                                 timeout=600)
+    results = rtp_compile.launch(
+        hf_parity, world_size, args=(FLOAT64 + FLOAT32_NORMS, seed), timeout=600
+    )
     for rank, per_model in enumerate(results):
         for name in FLOAT64 + FLOAT32_NORMS:
             tol = 1e-9 if name in FLOAT64 else 1e-5
             for what, err in per_model[name].items():
-                assert err <= tol, f"rank {rank} {name}: {what} rel. error {err:.2e}\n" \
-                                   f"{per_model[(name, 'report')]}"
+                assert err <= tol, (
+                    f"rank {rank} {name}: {what} rel. error {err:.2e}\n"
+                    f"{per_model[(name, 'report')]}"
+                )
             assert per_model[(name, "parameters")], f"rank {rank} {name}: gm.parameters()"
             report = per_model[(name, "report")]
             # their 2 head groups cannot be cut evenly for 3 ranks: the default keeps memory
             # at 1/N rather than pad to whole groups, and says so
             fused = ATTENTION_FUSED.get(name, 0) if world_size == 2 else 0
-            assert report.count("attention heads of 3 projection(s)") == fused, \
-                f"{name}:\n{report}"
+            assert report.count("attention heads of 3 projection(s)") == fused, f"{name}:\n{report}"
             assert ("not fused" in report) == (fused == 0), report
             if world_size == 3 and name in ATTENTION_FUSED:
                 assert "fuse_padding allows 2%" in report, report
@@ -56,8 +59,9 @@ def test_an_exported_program_travels_to_the_ranks(seed):
     model = build_hf("gpt2", seed)
     prog = rtp_compile.transform(model, 2)
     assert prog.ctx.level == "aten"
-    results = rtp_compile.launch(travelled_program_parity, 2,
-                                 args=(prog, model, "gpt2", seed), timeout=500)
+    results = rtp_compile.launch(
+        travelled_program_parity, 2, args=(prog, model, "gpt2", seed), timeout=500
+    )
     for rank, r in enumerate(results):
         assert r["same_model"] and r["plan"] == str(prog.plan), rank
         assert r["code"] == prog.graph_module.code, rank

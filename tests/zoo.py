@@ -1,4 +1,5 @@
 """Models the tests compile, with sizes chosen so most dims are not divisible by 2, 3 or 4."""
+
 from __future__ import annotations
 
 import torch
@@ -37,7 +38,7 @@ class ConvNet(nn.Module):
 
     def forward(self, x):
         h = F.relu(self.bn(self.conv1(x)))
-        h = self.conv2(h).flatten(2)                 # [B, 7, L]
+        h = self.conv2(h).flatten(2)  # [B, 7, L]
         h = self.conv3(h).mean(-1)
         return self.fc(h)
 
@@ -54,7 +55,7 @@ class NoRuleOps(nn.Module):
         self.cls = nn.Parameter(torch.randn(1, 1, d))
         self.proj = nn.Linear(d, 3)
 
-    def forward(self, x):                            # x: [B, T, d]
+    def forward(self, x):  # x: [B, T, d]
         h = torch.einsum("btd,de->bte", x, self.mix)
         h = torch.bmm(h, self.batch_w.expand(x.size(0), -1, -1))
         h = h * (self.scale * 2)
@@ -73,7 +74,7 @@ class SharedLayer(nn.Module):
     def forward(self, x):
         h = torch.tanh(self.block(x))
         h = torch.tanh(self.block(h))
-        return h @ self.back                          # matmul by a parameter stored [in, out]
+        return h @ self.back  # matmul by a parameter stored [in, out]
 
 
 class TiedHeadWithBias(nn.Module):
@@ -129,7 +130,7 @@ class HandAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             bias = _square(self.dist, T) * self.slopes  # [1, heads, T, T]: a slope per head
-            att = torch.softmax(q @ k.transpose(-2, -1) * e ** -0.5 + bias, dim=-1)
+            att = torch.softmax(q @ k.transpose(-2, -1) * e**-0.5 + bias, dim=-1)
             return self.o[i]((att @ v).transpose(1, 2).flatten(-2))
         return self.o[i](y.transpose(1, 2).reshape(B, T, -1))
 
@@ -141,6 +142,7 @@ class HandAttention(nn.Module):
 
 class FailingBackward(torch.autograd.Function):
     """Identity whose backward raises while `armed` (user code failing mid-backward)."""
+
     armed = False
 
     @staticmethod
@@ -189,11 +191,18 @@ class CastNorms(nn.Module):
     def __init__(self, d=7, hidden=11, d_out=5):
         super().__init__()
         self.fc = nn.Linear(d, hidden)
-        self.w_to, self.w_type_as, self.w_double, self.w_gemma, self.w_neg, self.scale, \
-            self.shift = (nn.Parameter(1 + 0.1 * torch.randn(hidden)) for _ in range(7))
+        (
+            self.w_to,
+            self.w_type_as,
+            self.w_double,
+            self.w_gemma,
+            self.w_neg,
+            self.scale,
+            self.shift,
+        ) = (nn.Parameter(1 + 0.1 * torch.randn(hidden)) for _ in range(7))
         self.head = nn.Linear(hidden, d_out)
 
-    def forward(self, x):                            # x: [B, T, d]
+    def forward(self, x):  # x: [B, T, d]
         h = _rms(self.fc(x)) * self.w_to.to(x.dtype)
         h = _rms(h) * self.w_type_as.type_as(h)
         h = (_rms(h) * self.w_double.double()).type_as(x)
@@ -211,13 +220,17 @@ class CheckpointedBlocks(nn.Module):
         self.checkpointed = checkpointed
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.LayerNorm(d), nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
-            for _ in range(blocks))
+            for _ in range(blocks)
+        )
         self.head = nn.Linear(d, 3)
 
     def forward(self, x):
         for block in self.blocks:
-            x = x + (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-                     if self.checkpointed else block(x))
+            x = x + (
+                torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                if self.checkpointed
+                else block(x)
+            )
         return self.head(x)
 
 
@@ -238,10 +251,14 @@ ZOO = {
     "shared": (SharedLayer, lambda g: torch.randn(3, 9, generator=g, dtype=torch.float64)),
     "tiedbias": (TiedHeadWithBias, lambda g: torch.randint(0, 11, (3, 5), generator=g)),
     "attention": (HandAttention, lambda g: torch.randn(2, 5, 10, generator=g, dtype=torch.float64)),
-    "midfail": (MidBackwardFailure,
-                lambda g: torch.randn(4, 3, 7, generator=g, dtype=torch.float64)),
-    "checkpointed": (CheckpointedBlocks,
-                     lambda g: torch.randn(4, 5, 10, generator=g, dtype=torch.float64)),
+    "midfail": (
+        MidBackwardFailure,
+        lambda g: torch.randn(4, 3, 7, generator=g, dtype=torch.float64),
+    ),
+    "checkpointed": (
+        CheckpointedBlocks,
+        lambda g: torch.randn(4, 5, 10, generator=g, dtype=torch.float64),
+    ),
     "castnorms": (CastNorms, lambda g: torch.randn(2, 5, 7, generator=g, dtype=torch.float64)),
 }
 

@@ -10,6 +10,7 @@ and RTP's targets, saves a bar plot.
 
     rtp-compile bench --memory [--out benchmarks/out]      (also: python benchmarks/memory.py)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,10 @@ import torch
 
 import rtp_compile.cost as cost
 from rtp_compile.apps.bench_speed import prepare
-from rtp_compile.compiler.transform import transform
 from rtp_compile.apps.models import GPTConfig, TinyGPT, lm_loss
-from rtp_compile.runtime.launch import launch
+from rtp_compile.compiler.transform import transform
 from rtp_compile.core.tables import format_table
+from rtp_compile.runtime.launch import launch
 
 CONFIG = GPTConfig(vocab_size=1024, block_size=32, n_layer=4, n_head=4, n_embd=256)
 BATCH = 2
@@ -36,6 +37,7 @@ def tracked_step(model, vocab_size: int, block_size: int, batch: int, seed: int)
     its state), under MemTracker: (bytes by category at the peak, the model state after the step
     (parameters + gradients + optimizer), the tracker)."""
     from torch.distributed._tools.mem_tracker import MemTracker
+
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(seed)
 
@@ -53,8 +55,9 @@ def tracked_step(model, vocab_size: int, block_size: int, batch: int, seed: int)
         (after,) = tracker.get_tracker_snapshot().values()
     (peak,) = tracker.get_tracker_snapshot("peak").values()
     opt.zero_grad()
-    state = sum(v for k, v in after.items()
-                if str(k).rsplit(".", 1)[-1] in ("PARAM", "GRAD", "OPT"))
+    state = sum(
+        v for k, v in after.items() if str(k).rsplit(".", 1)[-1] in ("PARAM", "GRAD", "OPT")
+    )
     return {str(k).rsplit(".", 1)[-1]: v for k, v in peak.items()}, state, tracker
 
 
@@ -83,31 +86,50 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--out", default="benchmarks/out")
     args = parser.parse_args(argv)
     full = sum(p.numel() * p.element_size() for p in TinyGPT(CONFIG).parameters())
-    print(f"TinyGPT {full // 4:,} parameters (fp32 {full / 1e6:.2f} MB), per-rank batch "
-          f"{BATCH}x{CONFIG.block_size}; MB per rank at the step's peak (rank 0), measured with "
-          "MemTracker; 'predicted' from rtp_compile.cost")
+    print(
+        f"TinyGPT {full // 4:,} parameters (fp32 {full / 1e6:.2f} MB), per-rank batch "
+        f"{BATCH}x{CONFIG.block_size}; MB per rank at the step's peak (rank 0), measured with "
+        "MemTracker; 'predicted' from rtp_compile.cost"
+    )
     rows, targets = [], []
     for world_size in WORLD_SIZES:
         measured = launch(measure, world_size, timeout=600)
         predicted = predict(world_size)
         for kind in KINDS:
-            rows.append({"N": world_size, "kind": kind, **measured[0][kind],
-                         "predicted": predicted[kind].peak_bytes})
+            rows.append(
+                {
+                    "N": world_size,
+                    "kind": kind,
+                    **measured[0][kind],
+                    "predicted": predicted[kind].peak_bytes,
+                }
+            )
         rtp = [m["rtp"] for m in measured]
         single_state = measured[0]["ddp"]["state"]  # DDP holds the single-device state
         bound = single_state / world_size + predicted["activations"]
-        targets.append({
-            "N": world_size,
-            "params / (full/N)": max(r["PARAM"] for r in rtp) / (full / world_size),
-            "peak / (state/N + activations)": max(r["Total"] for r in rtp) / bound,
-            "memory-scaling efficiency": min(single_state / world_size / r["state"] for r in rtp),
-        })
+        targets.append(
+            {
+                "N": world_size,
+                "params / (full/N)": max(r["PARAM"] for r in rtp) / (full / world_size),
+                "peak / (state/N + activations)": max(r["Total"] for r in rtp) / bound,
+                "memory-scaling efficiency": min(
+                    single_state / world_size / r["state"] for r in rtp
+                ),
+            }
+        )
     table = [("N", "kind", *CATEGORIES, "peak", "predicted", "peak/FSDP2")]
     for row in rows:
         fsdp = next(r for r in rows if r["N"] == row["N"] and r["kind"] == "fsdp2")["Total"]
-        table.append((row["N"], row["kind"], *[f"{row.get(c, 0) / 1e6:.2f}" for c in CATEGORIES],
-                      f"{row['Total'] / 1e6:.2f}", f"{row['predicted'] / 1e6:.2f}",
-                      f"{row['Total'] / fsdp:.2f}"))
+        table.append(
+            (
+                row["N"],
+                row["kind"],
+                *[f"{row.get(c, 0) / 1e6:.2f}" for c in CATEGORIES],
+                f"{row['Total'] / 1e6:.2f}",
+                f"{row['predicted'] / 1e6:.2f}",
+                f"{row['Total'] / fsdp:.2f}",
+            )
+        )
     print(format_table(table))
     print("\nRTP's targets (worst rank): params <= 1.02, peak <= 1.05, efficiency >= 0.97")
     for t in targets:
@@ -118,8 +140,10 @@ def main(argv=None) -> list[dict]:
 
 def _plot(rows, out: pathlib.Path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 3.5))
     labels = [f"{r['kind']}\nN={r['N']}" for r in rows]
@@ -128,8 +152,15 @@ def _plot(rows, out: pathlib.Path):
         values = [r.get(category, 0) / 1e6 for r in rows]
         ax.bar(labels, values, bottom=bottom, label=category)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.scatter(labels, [r["predicted"] / 1e6 for r in rows], marker="_", s=400, color="black",
-               label="predicted peak", zorder=3)
+    ax.scatter(
+        labels,
+        [r["predicted"] / 1e6 for r in rows],
+        marker="_",
+        s=400,
+        color="black",
+        label="predicted peak",
+        zorder=3,
+    )
     ax.set_ylabel("MB per rank at peak")
     ax.legend(fontsize=8)
     fig.tight_layout()

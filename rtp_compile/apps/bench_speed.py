@@ -16,6 +16,7 @@ train on a batch per rank; tensor parallel ranks share one batch, so tokens/s is
     rtp-compile bench [--preset gpt-small|gpt2-124m|tiny] [--world-sizes 2 4] [--rounds 3]
                       [--steps 3] [--out benchmarks/out]      (also: python benchmarks/speed.py)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,27 +28,37 @@ import time
 import torch
 import torch.distributed as dist
 
-from rtp_compile.compiler.transform import transform
 from rtp_compile.apps.models import GPTConfig, TinyGPT, lm_loss
-from rtp_compile.runtime import ring
-from rtp_compile.runtime.launch import launch
+from rtp_compile.compiler.transform import transform
 from rtp_compile.core.tables import format_table
 from rtp_compile.inspect.traces import profile_step
+from rtp_compile.runtime import ring
+from rtp_compile.runtime.launch import launch
 
 KINDS = ("ddp", "fsdp2", "tp", "rtp")
 PRESETS = {  # name -> (model, sequences per batch, tokens per sequence)
-    "gpt-small": (GPTConfig(vocab_size=2048, block_size=128, n_layer=4, n_head=8, n_embd=384), 4,
-                  128),
-    "gpt2-124m": (GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12,
-                            n_embd=768), 1, 128),
+    "gpt-small": (
+        GPTConfig(vocab_size=2048, block_size=128, n_layer=4, n_head=8, n_embd=384),
+        4,
+        128,
+    ),
+    "gpt2-124m": (
+        GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+        1,
+        128,
+    ),
     "tiny": (GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32), 2, 16),
 }
 # bytes a rank sends per byte of the op's input, by the ring algorithms (gloo and NCCL)
-_VOLUME = {"all_reduce": lambda n: 2 * (n - 1) / n, "allreduce": lambda n: 2 * (n - 1) / n,
-           "all_gather": lambda n: n - 1, "allgather": lambda n: n - 1,
-           "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0}
-_ITEMSIZE = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8,
-             "int": 4}
+_VOLUME = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "allreduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: n - 1,
+    "allgather": lambda n: n - 1,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,
+}
+_ITEMSIZE = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +76,12 @@ def head_parallel(model: TinyGPT, mesh) -> TinyGPT:
     heads (qkv rows reordered so a column shard holds the q, k and v of the same heads) and its
     slice of the MLP; the output projections all-reduce. Embeddings, norms and the head stay
     replicated (every rank computes them on the same batch)."""
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
     n = mesh.size()
     for block in model.blocks:
         attn = block.attn
@@ -78,9 +93,16 @@ def head_parallel(model: TinyGPT, mesh) -> TinyGPT:
             attn.qkv.weight.copy_(attn.qkv.weight[order])
             attn.qkv.bias.copy_(attn.qkv.bias[order])
         attn.n_head //= n
-        parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(),
-                                         "attn.proj": RowwiseParallel(),
-                                         "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+        parallelize_module(
+            block,
+            mesh,
+            {
+                "attn.qkv": ColwiseParallel(),
+                "attn.proj": RowwiseParallel(),
+                "mlp.0": ColwiseParallel(),
+                "mlp.2": RowwiseParallel(),
+            },
+        )
     return model
 
 
@@ -92,10 +114,12 @@ def prepare(kind: str, rank: int, world_size: int, config: GPTConfig, device):
         return torch.nn.parallel.DistributedDataParallel(model)
     if kind in ("fsdp2", "tp"):
         from torch.distributed.device_mesh import init_device_mesh
+
         mesh = init_device_mesh(device.type, (world_size,))
         if kind == "tp":
             return head_parallel(model, mesh)
         from torch.distributed.fsdp import fully_shard
+
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         return fully_shard(model, mesh=mesh)
@@ -141,8 +165,9 @@ def measure(rank: int, world_size: int, setup: Setup) -> dict:
     gens = {k: torch.Generator().manual_seed(0 if k == "tp" else rank + 1) for k in KINDS}
 
     def step(kind):
-        idx = torch.randint(0, cfg.vocab_size, (setup.batch, setup.seq_len + 1),
-                            generator=gens[kind]).to(device)
+        idx = torch.randint(
+            0, cfg.vocab_size, (setup.batch, setup.seq_len + 1), generator=gens[kind]
+        ).to(device)
         dist.barrier()
         start = time.perf_counter()
         lm_loss(models[kind](idx[:, :-1]), idx[:, 1:]).backward()
@@ -155,28 +180,37 @@ def measure(rank: int, world_size: int, setup: Setup) -> dict:
     bar = None
     if rank == 0:
         from tqdm import tqdm
+
         bar = tqdm(total=len(KINDS) * (setup.rounds + 3), desc=f"N={world_size}", leave=False)
     times = {k: [] for k in KINDS}
     for kind in KINDS:
         step(kind)  # warm-up: optimizer state, first-call costs
         bar and bar.update()
     for r in range(setup.rounds):
-        for kind in KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]:
+        for kind in KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]:
             times[kind].append([step(kind) for _ in range(setup.steps)])
             bar and bar.update()
-    out = {k: {"rounds": [statistics.median(t) for t in times[k]],
-               "all": [s for t in times[k] for s in t]} for k in KINDS}
+    out = {
+        k: {
+            "rounds": [statistics.median(t) for t in times[k]],
+            "all": [s for t in times[k] for s in t],
+        }
+        for k in KINDS
+    }
     for kind in KINDS:
         hops, sent = ring.traffic["hops"], ring.traffic["bytes"]
         path = pathlib.Path(setup.trace_dir) / f"trace_{kind}_N{world_size}_rank{rank}.json"
-        seconds, trace = profile_step(lambda: step(kind), path, cuda=device.type == "cuda",
-                                      record_shapes=True)
+        seconds, trace = profile_step(
+            lambda: step(kind), path, cuda=device.type == "cuda", record_shapes=True
+        )
         if rank:
             path.unlink()  # rank 0's trace is kept
         if kind == "rtp":
             messages, bytes_sent = ring.traffic["hops"] - hops, ring.traffic["bytes"] - sent
-            waiting = sum(e.get("dur", 0) for e in trace if e.get("name", "").startswith(
-                "rtp.wait")) * 1e-6
+            waiting = (
+                sum(e.get("dur", 0) for e in trace if e.get("name", "").startswith("rtp.wait"))
+                * 1e-6
+            )
             out[kind]["exposed"] = waiting / seconds
         else:
             messages, bytes_sent = _comm_of(trace, world_size)
@@ -194,9 +228,15 @@ def measure(rank: int, world_size: int, setup: Setup) -> dict:
     return out
 
 
-def run(world_sizes=(2, 4), preset: str = "gpt-small", rounds: int = 3, steps: int = 3,
-        out: str = "benchmarks/out", batch: int | None = None,
-        seq_len: int | None = None) -> list[dict]:
+def run(
+    world_sizes=(2, 4),
+    preset: str = "gpt-small",
+    rounds: int = 3,
+    steps: int = 3,
+    out: str = "benchmarks/out",
+    batch: int | None = None,
+    seq_len: int | None = None,
+) -> list[dict]:
     """Measure every kind at every world size; print the table, save the plot and traces;
     return the rows."""
     config, default_batch, default_seq = PRESETS[preset]
@@ -204,29 +244,67 @@ def run(world_sizes=(2, 4), preset: str = "gpt-small", rounds: int = 3, steps: i
     pathlib.Path(out).mkdir(parents=True, exist_ok=True)
     rows = []
     for n in world_sizes:
-        ranks = launch(measure, n, args=(setup,), timeout=1800,
-                       env={"KINETO_LOG_LEVEL": "6"})  # no profiler start/stop lines
+        ranks = launch(
+            measure, n, args=(setup,), timeout=1800, env={"KINETO_LOG_LEVEL": "6"}
+        )  # no profiler start/stop lines
         for kind in KINDS:
             per_rank = [r[kind] for r in ranks]
             step_s = statistics.median(per_rank[0]["all"])
             ratios = [k / d for k, d in zip(per_rank[0]["rounds"], ranks[0]["ddp"]["rounds"])]
             tokens = setup.batch * setup.seq_len * (1 if kind == "tp" else n)
-            rows.append({"N": n, "kind": kind, "step_ms": step_s * 1e3,
-                         "tokens_per_s": tokens / step_s, "vs_ddp": statistics.median(ratios),
-                         "peak_mb": max(r["peak"] for r in per_rank) / 1e6,
-                         "sent_mb": max(r["bytes"] for r in per_rank) / 1e6,
-                         "messages": max(r["messages"] for r in per_rank),
-                         "exposed": per_rank[0].get("exposed")})
-    print(f"{preset}: {config.n_layer} layers x {config.n_embd} wide, vocab {config.vocab_size}, "
-          f"{setup.batch} x {setup.seq_len} tokens per batch, AdamW; {rounds} interleaved rounds "
-          f"of {steps} steps; {dist.Backend.GLOO if not torch.cuda.is_available() else 'nccl'}")
-    print(format_table([("N", "kind", "step ms", "tokens/s", "step / DDP", "peak MB/rank",
-                         "sent MB/rank", "messages", "exposed comm")] + [
-        (r["N"], r["kind"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
-         f"{r['vs_ddp']:.2f}", f"{r['peak_mb']:.2f}", f"{r['sent_mb']:.2f}", r["messages"],
-         "-" if r["exposed"] is None else f"{r['exposed']:.0%}") for r in rows]))
-    print("per step and rank; messages: collectives and sends (RTP: ring hops); exposed comm: "
-          "RTP's time waiting on ring receives / step time")
+            rows.append(
+                {
+                    "N": n,
+                    "kind": kind,
+                    "step_ms": step_s * 1e3,
+                    "tokens_per_s": tokens / step_s,
+                    "vs_ddp": statistics.median(ratios),
+                    "peak_mb": max(r["peak"] for r in per_rank) / 1e6,
+                    "sent_mb": max(r["bytes"] for r in per_rank) / 1e6,
+                    "messages": max(r["messages"] for r in per_rank),
+                    "exposed": per_rank[0].get("exposed"),
+                }
+            )
+    print(
+        f"{preset}: {config.n_layer} layers x {config.n_embd} wide, vocab {config.vocab_size}, "
+        f"{setup.batch} x {setup.seq_len} tokens per batch, AdamW; {rounds} interleaved rounds "
+        f"of {steps} steps; {dist.Backend.GLOO if not torch.cuda.is_available() else 'nccl'}"
+    )
+    print(
+        format_table(
+            [
+                (
+                    "N",
+                    "kind",
+                    "step ms",
+                    "tokens/s",
+                    "step / DDP",
+                    "peak MB/rank",
+                    "sent MB/rank",
+                    "messages",
+                    "exposed comm",
+                )
+            ]
+            + [
+                (
+                    r["N"],
+                    r["kind"],
+                    f"{r['step_ms']:.1f}",
+                    f"{r['tokens_per_s']:,.0f}",
+                    f"{r['vs_ddp']:.2f}",
+                    f"{r['peak_mb']:.2f}",
+                    f"{r['sent_mb']:.2f}",
+                    r["messages"],
+                    "-" if r["exposed"] is None else f"{r['exposed']:.0%}",
+                )
+                for r in rows
+            ]
+        )
+    )
+    print(
+        "per step and rank; messages: collectives and sends (RTP: ring hops); exposed comm: "
+        "RTP's time waiting on ring receives / step time"
+    )
     _plot(rows, pathlib.Path(out))
     print(f"traces (rank 0, Perfetto): {out}/trace_<kind>_N<n>_rank0.json")
     return rows
@@ -240,6 +318,7 @@ def _plot(rows: list[dict], out: pathlib.Path) -> None:
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     sizes = sorted({r["N"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     width = 0.8 / len(KINDS)
@@ -267,5 +346,6 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (preset's default)")
     parser.add_argument("--out", default="benchmarks/out")
     args = parser.parse_args(argv)
-    return run(args.world_sizes, args.preset, args.rounds, args.steps, args.out, args.batch,
-               args.seq_len)
+    return run(
+        args.world_sizes, args.preset, args.rounds, args.steps, args.out, args.batch, args.seq_len
+    )

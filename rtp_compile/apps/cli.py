@@ -4,6 +4,7 @@ generated code), `rtp-compile plan` predicts per-rank memory of models far large
 machine (built on the meta device), `rtp-compile bench` measures step time, memory and traffic
 next to DDP, FSDP2 and DTensor tensor parallel (`--memory`: memory by category next to the cost
 model)."""
+
 from __future__ import annotations
 
 import argparse
@@ -35,70 +36,122 @@ def _parser() -> argparse.ArgumentParser:
     """The argument parser with the `demo` and `inspect` subcommands."""
     parser = argparse.ArgumentParser(
         prog="rtp-compile",
-        description="Compile PyTorch models for Rotated Tensor Parallel training.")
+        description="Compile PyTorch models for Rotated Tensor Parallel training.",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = commands.add_parser(
-        "demo", help="train TinyGPT on Shakespeare with RTP next to DDP on local CPU ranks, "
-                     "compare, and sample text from it")
+        "demo",
+        help="train TinyGPT on Shakespeare with RTP next to DDP on local CPU ranks, "
+        "compare, and sample text from it",
+    )
     demo.add_argument("--world-size", type=_positive_int, default=2, help="ranks (default 2)")
-    demo.add_argument("--steps", type=_positive_int, default=400,
-                      help="AdamW steps (default 400, about a minute on 2 CPU cores)")
+    demo.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=400,
+        help="AdamW steps (default 400, about a minute on 2 CPU cores)",
+    )
     demo.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
-    demo.add_argument("--dtype", choices=["float32", "float64"], default="float32",
-                      help="the model's dtype (default float32; float64 shows RTP and DDP agree "
-                           "to rounding over the whole run)")
-    demo.add_argument("--checkpoint-dir", metavar="DIR",
-                      help="save the RTP program and the DDP replica there (DCP checkpoints) "
-                           "every --checkpoint-every steps")
-    demo.add_argument("--checkpoint-every", type=_positive_int, default=100,
-                      help="steps between checkpoints (default 100)")
-    demo.add_argument("--resume", action="store_true",
-                      help="continue from the checkpoint in --checkpoint-dir up to --steps")
+    demo.add_argument(
+        "--dtype",
+        choices=["float32", "float64"],
+        default="float32",
+        help="the model's dtype (default float32; float64 shows RTP and DDP agree "
+        "to rounding over the whole run)",
+    )
+    demo.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="save the RTP program and the DDP replica there (DCP checkpoints) "
+        "every --checkpoint-every steps",
+    )
+    demo.add_argument(
+        "--checkpoint-every",
+        type=_positive_int,
+        default=100,
+        help="steps between checkpoints (default 100)",
+    )
+    demo.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoint in --checkpoint-dir up to --steps",
+    )
     demo.set_defaults(run=_run_demo)
 
     inspect = commands.add_parser(
-        "inspect", help="print the sharding plan, op report, a rank's code and the predicted "
-                        "memory for a model (--draw: its schedule drawn)")
-    inspect.add_argument("target", metavar="MODULE:FACTORY",
-                         help="importable module and a callable in it returning an nn.Module")
+        "inspect",
+        help="print the sharding plan, op report, a rank's code and the predicted "
+        "memory for a model (--draw: its schedule drawn)",
+    )
+    inspect.add_argument(
+        "target",
+        metavar="MODULE:FACTORY",
+        help="importable module and a callable in it returning an nn.Module",
+    )
     inspect.add_argument("--world-size", type=_positive_int, required=True, help="ranks")
     inspect.add_argument("--rank", type=int, default=0, help="rank whose code to print (default 0)")
-    inspect.add_argument("--batch-size", type=_positive_int, default=1,
-                         help="per-rank batch the cost is predicted for (default 1)")
-    inspect.add_argument("--seq-len", type=_positive_int, default=32,
-                         help="tokens per sequence the cost is predicted for (default 32)")
-    inspect.add_argument("--draw", metavar="PATH",
-                         help="also draw the rank's forward schedule to PATH (.svg, .png or "
-                              ".pdf; needs matplotlib)")
+    inspect.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=1,
+        help="per-rank batch the cost is predicted for (default 1)",
+    )
+    inspect.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        default=32,
+        help="tokens per sequence the cost is predicted for (default 32)",
+    )
+    inspect.add_argument(
+        "--draw",
+        metavar="PATH",
+        help="also draw the rank's forward schedule to PATH (.svg, .png or .pdf; needs matplotlib)",
+    )
     inspect.set_defaults(run=_run_inspect)
 
     plan = commands.add_parser(
-        "plan", help="predict per-rank memory of DDP, FSDP2 and RTP for models built on the "
-                     "meta device (never materialised)")
-    plan.add_argument("targets", nargs="+", metavar="MODEL",
-                      help="a preset (llama-7b, llama-13b, llama-70b) or MODULE:FACTORY, "
-                           "called under torch.device('meta')")
+        "plan",
+        help="predict per-rank memory of DDP, FSDP2 and RTP for models built on the "
+        "meta device (never materialised)",
+    )
+    plan.add_argument(
+        "targets",
+        nargs="+",
+        metavar="MODEL",
+        help="a preset (llama-7b, llama-13b, llama-70b) or MODULE:FACTORY, "
+        "called under torch.device('meta')",
+    )
     plan.add_argument("--world-sizes", type=_positive_int, nargs="+", default=[8, 16, 64])
     plan.add_argument("--batch-size", type=_positive_int, default=1, help="per rank (default 1)")
     plan.add_argument("--seq-len", type=_positive_int, default=2048, help="(default 2048)")
-    plan.add_argument("--dtype", default="bfloat16", help="parameter and activation dtype "
-                                                          "(default bfloat16)")
+    plan.add_argument(
+        "--dtype", default="bfloat16", help="parameter and activation dtype (default bfloat16)"
+    )
     plan.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, ...")
     plan.set_defaults(run=_run_plan)
 
     bench = commands.add_parser(
-        "bench", help="DDP / FSDP2 / DTensor TP / RTP side by side, measured: step time, "
-                      "tokens/s, peak memory, traffic (--memory: the memory benchmark)")
-    bench.add_argument("--memory", action="store_true",
-                       help="instead: per-rank memory of one AdamW step (MemTracker) by "
-                            "category, DDP / FSDP2 / RTP, N = 2 and 4, next to the cost model")
-    bench.add_argument("--preset", default="gpt-small",
-                       help="model and batch: gpt-small (default), gpt2-124m, tiny")
+        "bench",
+        help="DDP / FSDP2 / DTensor TP / RTP side by side, measured: step time, "
+        "tokens/s, peak memory, traffic (--memory: the memory benchmark)",
+    )
+    bench.add_argument(
+        "--memory",
+        action="store_true",
+        help="instead: per-rank memory of one AdamW step (MemTracker) by "
+        "category, DDP / FSDP2 / RTP, N = 2 and 4, next to the cost model",
+    )
+    bench.add_argument(
+        "--preset",
+        default="gpt-small",
+        help="model and batch: gpt-small (default), gpt2-124m, tiny",
+    )
     bench.add_argument("--world-sizes", type=_positive_int, nargs="+", default=[2, 4])
     bench.add_argument("--rounds", type=_positive_int, default=3, help="interleaved rounds")
-    bench.add_argument("--steps", type=_positive_int, default=3,
-                       help="timed steps per kind and round")
+    bench.add_argument(
+        "--steps", type=_positive_int, default=3, help="timed steps per kind and round"
+    )
     bench.add_argument("--out", default="benchmarks/out", help="where the plot and traces go")
     bench.set_defaults(run=_run_bench)
     return parser
@@ -114,15 +167,21 @@ def _positive_int(text: str) -> int:
 
 def _run_demo(args: argparse.Namespace) -> None:
     """`demo`: run the RTP-vs-DDP training demo."""
-    from rtp_compile.apps.demo import run_demo  # lazy: `inspect` needs no training code
-
     import torch
+
+    from rtp_compile.apps.demo import run_demo  # lazy: `inspect` needs no training code
 
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir, the directory to resume from")
-    run_demo(world_size=args.world_size, steps=args.steps, seed=args.seed,
-             dtype=getattr(torch, args.dtype), checkpoint_dir=args.checkpoint_dir,
-             checkpoint_every=args.checkpoint_every, resume=args.resume)
+    run_demo(
+        world_size=args.world_size,
+        steps=args.steps,
+        seed=args.seed,
+        dtype=getattr(torch, args.dtype),
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+    )
 
 
 def _run_inspect(args: argparse.Namespace) -> None:
@@ -134,8 +193,9 @@ def _run_inspect(args: argparse.Namespace) -> None:
     if not 0 <= args.rank < args.world_size:
         raise UsageError(f"--rank must be in [0, {args.world_size}), got {args.rank}")
     if args.draw and not args.draw.lower().endswith(FORMATS):
-        raise UsageError(f"--draw writes {', '.join(FORMATS)} by the path's suffix, got "
-                         f"{args.draw!r}")
+        raise UsageError(
+            f"--draw writes {', '.join(FORMATS)} by the path's suffix, got {args.draw!r}"
+        )
     model = load_model(args.target)
     prog = transform(model, args.world_size)
     print(prog.plan)
@@ -161,9 +221,9 @@ def _run_plan(args: argparse.Namespace) -> None:
 
     import torch
 
+    from rtp_compile.apps.presets import LLAMA, meta_model
     from rtp_compile.compiler.transform import transform
     from rtp_compile.cost import table
-    from rtp_compile.apps.presets import LLAMA, meta_model
 
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
@@ -177,15 +237,22 @@ def _run_plan(args: argparse.Namespace) -> None:
                 model = load_model(target).to(dtype)
         prog = transform(model, args.world_sizes[0])
         n_params = sum(p.numel() for p in prog.ctx.params.values())
-        print(f"{target}: {n_params / 1e9:.2f} B parameters ({args.dtype}), "
-              f"{len(prog.plan.units)} units")
+        print(
+            f"{target}: {n_params / 1e9:.2f} B parameters ({args.dtype}), "
+            f"{len(prog.plan.units)} units"
+        )
         print(table(prog, args.batch_size, args.seq_len, args.world_sizes, args.optimizer))
         for n in args.world_sizes:
-            held = prog.for_world_size(n).cost(args.batch_size, args.seq_len,
-                                               args.optimizer).param_bytes
-            print(f"  N={n}: RTP parameter bytes per rank {held:,} = "
-                  f"{held / (n_params * dtype.itemsize / n):.4f} x full/N")
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+            held = (
+                prog.for_world_size(n)
+                .cost(args.batch_size, args.seq_len, args.optimizer)
+                .param_bytes
+            )
+            print(
+                f"  N={n}: RTP parameter bytes per rank {held:,} = "
+                f"{held / (n_params * dtype.itemsize / n):.4f} x full/N"
+            )
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
         print(f"  planned in {time.perf_counter() - start:.0f} s, peak RSS {rss:.2f} GiB\n")
 
 
@@ -194,9 +261,11 @@ def _run_bench(args: argparse.Namespace) -> None:
     the measured memory benchmark (`rtp_compile.apps.bench_memory`)."""
     if args.memory:
         from rtp_compile.apps.bench_memory import main as bench_memory
+
         bench_memory(["--out", args.out])
         return
     from rtp_compile.apps.bench_speed import PRESETS, run
+
     if args.preset not in PRESETS:
         raise UsageError(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
     run(args.world_sizes, args.preset, args.rounds, args.steps, args.out)
@@ -206,16 +275,18 @@ def load_model(target: str) -> nn.Module:
     """Import MODULE, call FACTORY() from `target` = "MODULE:FACTORY"; UsageError if that fails."""
     module_name, sep, factory_name = target.partition(":")
     if not sep or not module_name or not factory_name:
-        raise UsageError(f"expected MODULE:FACTORY (e.g. rtp_compile.apps.models:TinyGPT), "
-                         f"got {target!r}")
+        raise UsageError(
+            f"expected MODULE:FACTORY (e.g. rtp_compile.apps.models:TinyGPT), got {target!r}"
+        )
     # The console script's sys.path lacks the working directory that `python -m` would add.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # a module failing at import time is as unusable as a missing one
-        raise UsageError(f"cannot import module {module_name!r}: "
-                         f"{type(exc).__name__}: {exc}") from exc
+        raise UsageError(
+            f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from exc
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise UsageError(f"module {module_name!r} has no callable {factory_name!r}")

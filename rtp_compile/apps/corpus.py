@@ -8,6 +8,7 @@ batches of random windows, the ranks' batches disjoint within a step, in an orde
 seed; its one number of state, the position in that order, is what a checkpoint keeps to resume
 the same stream of batches.
 """
+
 from __future__ import annotations
 
 from importlib import resources
@@ -37,8 +38,10 @@ def encode(text: str) -> torch.Tensor:
     else:
         bad = next(ch for ch in text if not ch.isascii())
     if bad is not None:
-        raise ValueError(f"encode: character {bad!r} is not in the alphabet (newline and "
-                         "printable ASCII); replace it first")
+        raise ValueError(
+            f"encode: character {bad!r} is not in the alphabet (newline and "
+            "printable ASCII); replace it first"
+        )
     return ids
 
 
@@ -59,8 +62,8 @@ def windows(tokens: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.
     """All non-overlapping windows of `tokens` as (inputs, targets), each [n, block_size]:
     the held-out set, evaluated whole."""
     n = (len(tokens) - 1) // block_size
-    inputs = tokens[:n * block_size].view(n, block_size)
-    targets = tokens[1:n * block_size + 1].view(n, block_size)
+    inputs = tokens[: n * block_size].view(n, block_size)
+    targets = tokens[1 : n * block_size + 1].view(n, block_size)
     return inputs, targets
 
 
@@ -74,14 +77,22 @@ class TextBatches:
     any world size, the stream goes on from the same place).
     """
 
-    def __init__(self, tokens: torch.Tensor, block_size: int, batch_size: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0):
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        block_size: int,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+    ):
         if not 0 <= rank < world_size:
             raise ValueError(f"TextBatches: rank must be in [0, {world_size}), got {rank}")
         self.n_windows = len(tokens) - block_size
         if self.n_windows < 1:
-            raise ValueError(f"TextBatches: {len(tokens)} tokens hold no window of "
-                             f"{block_size} + 1")
+            raise ValueError(
+                f"TextBatches: {len(tokens)} tokens hold no window of {block_size} + 1"
+            )
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.position = 0
@@ -100,7 +111,7 @@ class TextBatches:
         inputs shifted by one token. Advances `position` by one step of all ranks."""
         first = self.position + self.rank * self.batch_size
         starts = [self._start(first + j) for j in range(self.batch_size)]
-        seq = torch.stack([self.tokens[s:s + self.block_size + 1] for s in starts])
+        seq = torch.stack([self.tokens[s : s + self.block_size + 1] for s in starts])
         self.position += self.world_size * self.batch_size
         return seq[:, :-1], seq[:, 1:]
 

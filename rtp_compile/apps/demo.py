@@ -11,6 +11,7 @@ rank 0, which reports the held-out loss and samples a short text. The demo print
 side by side, the per-rank parameter bytes of each, the measured peak memory of a step, tokens
 per second and the time per step, the sample, and returns the numbers.
 """
+
 from __future__ import annotations
 
 import collections
@@ -25,11 +26,19 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rtp_compile.compiler.transform import transform
-from rtp_compile.apps.corpus import TEXT_FILE, TextBatches, decode, encode, load_text, split, windows
+from rtp_compile.apps.corpus import (
+    TEXT_FILE,
+    TextBatches,
+    decode,
+    encode,
+    load_text,
+    split,
+    windows,
+)
 from rtp_compile.apps.models import TinyGPT, generate, lm_loss
-from rtp_compile.runtime.launch import launch
+from rtp_compile.compiler.transform import transform
 from rtp_compile.core.tables import format_table
+from rtp_compile.runtime.launch import launch
 
 BATCH_SIZE = 16  # sequences per rank per step
 LR = 3e-3
@@ -45,13 +54,15 @@ def param_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer, idx, targets,
-                track_memory: bool) -> tuple[float, float, int | None]:
+def _train_step(
+    model: nn.Module, opt: torch.optim.Optimizer, idx, targets, track_memory: bool
+) -> tuple[float, float, int | None]:
     """One AdamW step; returns (loss, seconds, peak bytes or None when memory isn't tracked)."""
     tracker = None
     if track_memory:
         # A private torch module: import it only when memory is tracked.
         from torch.distributed._tools.mem_tracker import MemTracker
+
         tracker = MemTracker()
         tracker.track_external(model, opt, idx, targets)
     start = time.perf_counter()
@@ -77,8 +88,8 @@ def log_every(steps: int) -> int:
     most 10 rows besides the first step."""
     for power in itertools.count():
         for mantissa in (1, 2, 5):
-            if steps <= 10 * mantissa * 10 ** power:
-                return mantissa * 10 ** power
+            if steps <= 10 * mantissa * 10**power:
+                return mantissa * 10**power
     raise AssertionError("unreachable")
 
 
@@ -89,8 +100,11 @@ def held_out_loss(model: nn.Module, tokens: torch.Tensor, batch_size: int = 128)
     inputs, targets = windows(tokens, model.cfg.block_size)
     was_training = model.training
     model.eval()
-    total = sum(lm_loss(model(inputs[i:i + batch_size]), targets[i:i + batch_size]).item()
-                * len(inputs[i:i + batch_size]) for i in range(0, len(inputs), batch_size))
+    total = sum(
+        lm_loss(model(inputs[i : i + batch_size]), targets[i : i + batch_size]).item()
+        * len(inputs[i : i + batch_size])
+        for i in range(0, len(inputs), batch_size)
+    )
     model.train(was_training)
     return total / len(inputs)
 
@@ -102,9 +116,16 @@ class _Progress:
         self.bar = None
         if enabled:
             from tqdm import tqdm
-            self.bar = tqdm(total=steps, initial=start, desc="training", unit="step",
-                            file=sys.stderr, dynamic_ncols=True,
-                            mininterval=0.1 if sys.stderr.isatty() else 5.0)  # logs: fewer lines
+
+            self.bar = tqdm(
+                total=steps,
+                initial=start,
+                desc="training",
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                mininterval=0.1 if sys.stderr.isatty() else 5.0,
+            )  # logs: fewer lines
         self.tokens_per_step = tokens_per_step
         self.recent = collections.deque(maxlen=20)  # RTP seconds of the last steps
 
@@ -121,17 +142,32 @@ class _Progress:
             self.bar.close()
 
 
-def _rank_job(rank: int, world_size: int, model: TinyGPT, steps: int, seed: int,
-              track_memory: bool, progress: bool, checkpoint_dir: str | None = None,
-              checkpoint_every: int = 0, resume: bool = False) -> dict:
+def _rank_job(
+    rank: int,
+    world_size: int,
+    model: TinyGPT,
+    steps: int,
+    seed: int,
+    track_memory: bool,
+    progress: bool,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+) -> dict:
     """Runs on each rank: train the RTP program and a DDP replica side by side on the text;
     on rank 0, also the held-out losses, the parameters' distance and the sample. With
     `checkpoint_dir`, both are saved every `checkpoint_every` steps (RTP with
     `rtp_compile.checkpoint` to <dir>/rtp, DDP with DCP to <dir>/ddp); `resume` starts from
     there."""
     train_tokens, held_tokens = split(encode(load_text()))
-    out = {"rtp_loss": [], "ddp_loss": [], "rtp_s": [], "ddp_s": [],
-           "rtp_peak": None, "ddp_peak": None}
+    out = {
+        "rtp_loss": [],
+        "ddp_loss": [],
+        "rtp_s": [],
+        "ddp_s": [],
+        "rtp_peak": None,
+        "ddp_peak": None,
+    }
     if rank == 0:
         out["held_out_before"] = held_out_loss(model, held_tokens)
     ddp = DistributedDataParallel(copy.deepcopy(model))
@@ -148,8 +184,9 @@ def _rank_job(rank: int, world_size: int, model: TinyGPT, steps: int, seed: int,
     step = 0
     if resume:
         step = _load(checkpoint_dir, gm, rtp_opt, ddp, ddp_opt, batches, out)
-    bar = _Progress(step, steps, world_size * BATCH_SIZE * model.cfg.block_size,
-                    progress and rank == 0)
+    bar = _Progress(
+        step, steps, world_size * BATCH_SIZE * model.cfg.block_size, progress and rank == 0
+    )
     start = time.perf_counter()
     while step < steps:
         idx, targets = batches.next_batch()
@@ -175,8 +212,9 @@ def _rank_job(rank: int, world_size: int, model: TinyGPT, steps: int, seed: int,
         out["held_out_ddp"] = held_out_loss(ddp.module, held_tokens)
         reference = ddp.module.state_dict()
         out["max_param_diff"] = max((full[k] - reference[k]).abs().max().item() for k in full)
-        out["sample"] = decode(generate(trained, encode(PROMPT), SAMPLE_CHARS,
-                                        temperature=TEMPERATURE, seed=seed))
+        out["sample"] = decode(
+            generate(trained, encode(PROMPT), SAMPLE_CHARS, temperature=TEMPERATURE, seed=seed)
+        )
     return out
 
 
@@ -187,8 +225,13 @@ def _save(directory: str, step: int, gm, rtp_opt, ddp, ddp_opt, batches, out: di
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from rtp_compile.state import dcp as checkpoint
-    checkpoint.save(f"{directory}/rtp", gm, rtp_opt,
-                    extra={"step": step, "batches": batches.state_dict(), "out": out})
+
+    checkpoint.save(
+        f"{directory}/rtp",
+        gm,
+        rtp_opt,
+        extra={"step": step, "batches": batches.state_dict(), "out": out},
+    )
     model_state, optim_state = get_state_dict(ddp, ddp_opt)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=f"{directory}/ddp")
 
@@ -200,22 +243,32 @@ def _load(directory: str, gm, rtp_opt, ddp, ddp_opt, batches, out: dict) -> int:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from rtp_compile.state import dcp as checkpoint
+
     extra = checkpoint.load(f"{directory}/rtp", gm, rtp_opt)
     model_state, optim_state = get_state_dict(ddp, ddp_opt)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=f"{directory}/ddp")
-    set_state_dict(ddp, ddp_opt, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+    set_state_dict(
+        ddp, ddp_opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
     batches.load_state_dict(extra["batches"])
     out.update({k: v for k, v in extra["out"].items() if k != "held_out_before"})
     return extra["step"]
 
 
-def run_demo(world_size: int = 2, steps: int = STEPS, seed: int = 0, *,
-             dtype: torch.dtype = torch.float32, track_memory: bool = True,
-             progress: bool = True, timeout: float | None = None,
-             checkpoint_dir: str | None = None, checkpoint_every: int = 100,
-             resume: bool = False) -> dict:
+def run_demo(
+    world_size: int = 2,
+    steps: int = STEPS,
+    seed: int = 0,
+    *,
+    dtype: torch.dtype = torch.float32,
+    track_memory: bool = True,
+    progress: bool = True,
+    timeout: float | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 100,
+    resume: bool = False,
+) -> dict:
     """Train TinyGPT on the shipped Shakespeare text with RTP and DDP side by side on
     `world_size` CPU ranks; print and return.
 
@@ -243,17 +296,20 @@ def run_demo(world_size: int = 2, steps: int = STEPS, seed: int = 0, *,
     torch.manual_seed(seed)
     model = TinyGPT().to(dtype)
     print(format_header(model, world_size, steps), flush=True)
-    ranks = launch(_rank_job, world_size, args=(model, steps, seed, track_memory, progress,
-                                                checkpoint_dir, checkpoint_every, resume),
-                   timeout=300.0 + steps if timeout is None else timeout)
+    ranks = launch(
+        _rank_job,
+        world_size,
+        args=(model, steps, seed, track_memory, progress, checkpoint_dir, checkpoint_every, resume),
+        timeout=300.0 + steps if timeout is None else timeout,
+    )
     result = _summarise(model, world_size, steps, seed, ranks)
     print(format_result(result), flush=True)
     return result
 
 
-def _summarise(model: TinyGPT, world_size: int, steps: int, seed: int,
-               ranks: list[dict]) -> dict:
+def _summarise(model: TinyGPT, world_size: int, steps: int, seed: int, ranks: list[dict]) -> dict:
     """Fold the ranks' records into the demo's result: means over ranks, per-rank lists."""
+
     def mean_over_ranks(key):
         return [statistics.fmean(r[key][i] for r in ranks) for i in range(steps)]
 
@@ -263,26 +319,40 @@ def _summarise(model: TinyGPT, world_size: int, steps: int, seed: int,
     tokens_per_step = world_size * BATCH_SIZE * model.cfg.block_size
     every = log_every(steps)
     return {
-        "world_size": world_size, "steps": steps, "seed": seed,
-        "config": model.cfg, "n_params": sum(p.numel() for p in model.parameters()),
+        "world_size": world_size,
+        "steps": steps,
+        "seed": seed,
+        "config": model.cfg,
+        "n_params": sum(p.numel() for p in model.parameters()),
         "logged_steps": sorted({1, steps, *range(every, steps + 1, every)}),
-        "rtp_loss": rtp_loss, "ddp_loss": ddp_loss,
+        "rtp_loss": rtp_loss,
+        "ddp_loss": ddp_loss,
         "max_loss_diff": max(abs(a - b) for a, b in zip(rtp_loss, ddp_loss)),
-        "early_loss_diff": max(abs(a - b) for a, b in zip(rtp_loss[:EARLY_STEPS],
-                                                          ddp_loss[:EARLY_STEPS])),
+        "early_loss_diff": max(
+            abs(a - b) for a, b in zip(rtp_loss[:EARLY_STEPS], ddp_loss[:EARLY_STEPS])
+        ),
         "dtype": str(model.wte.weight.dtype).removeprefix("torch."),
         "rtp_param_bytes": [r["rtp_param_bytes"] for r in ranks],
         "ddp_param_bytes": [r["ddp_param_bytes"] for r in ranks],
         "rtp_peak_bytes": [r["rtp_peak"] for r in ranks],
         "ddp_peak_bytes": [r["ddp_peak"] for r in ranks],
-        "rtp_step_s": rtp_step_s, "ddp_step_s": ddp_step_s,
+        "rtp_step_s": rtp_step_s,
+        "ddp_step_s": ddp_step_s,
         "step_time_ratio": rtp_step_s / ddp_step_s,
         "tokens_per_step": tokens_per_step,
         "rtp_tokens_per_s": tokens_per_step / rtp_step_s,
         "ddp_tokens_per_s": tokens_per_step / ddp_step_s,
         "train_s": max(r["train_s"] for r in ranks),
-        **{key: ranks[0][key] for key in ("held_out_before", "held_out_rtp", "held_out_ddp",
-                                          "max_param_diff", "sample")},
+        **{
+            key: ranks[0][key]
+            for key in (
+                "held_out_before",
+                "held_out_rtp",
+                "held_out_ddp",
+                "max_param_diff",
+                "sample",
+            )
+        },
     }
 
 
@@ -291,15 +361,17 @@ def format_header(model: TinyGPT, world_size: int, steps: int) -> str:
     cfg, n = model.cfg, world_size
     n_params = sum(p.numel() for p in model.parameters())
     n_chars = len(load_text())
-    return "\n".join([
-        f"TinyGPT: {n_params:,} parameters ({cfg.n_layer} layers, d_model {cfg.n_embd}, "
-        f"{cfg.n_head} heads, vocab {cfg.vocab_size}, context {cfg.block_size}), "
-        f"{str(model.wte.weight.dtype).removeprefix('torch.')}",
-        f"text: Shakespeare (rtp_compile/apps/data/{TEXT_FILE}), {n_chars:,} characters, one token "
-        "each; the last 10% held out",
-        f"world size {n}: RTP (each rank holds 1/{n} of every weight) vs DDP (every rank holds "
-        f"all); {steps} AdamW steps, lr {LR:g}, {BATCH_SIZE} sequences per rank",
-    ])
+    return "\n".join(
+        [
+            f"TinyGPT: {n_params:,} parameters ({cfg.n_layer} layers, d_model {cfg.n_embd}, "
+            f"{cfg.n_head} heads, vocab {cfg.vocab_size}, context {cfg.block_size}), "
+            f"{str(model.wte.weight.dtype).removeprefix('torch.')}",
+            f"text: Shakespeare (rtp_compile/apps/data/{TEXT_FILE}), {n_chars:,} characters, "
+            "one token each; the last 10% held out",
+            f"world size {n}: RTP (each rank holds 1/{n} of every weight) vs DDP (every rank holds "
+            f"all); {steps} AdamW steps, lr {LR:g}, {BATCH_SIZE} sequences per rank",
+        ]
+    )
 
 
 def format_result(result: dict) -> str:
@@ -308,10 +380,20 @@ def format_result(result: dict) -> str:
     steps = result["steps"]
     early = min(steps, EARLY_STEPS)
     rtp_loss, ddp_loss = result["rtp_loss"], result["ddp_loss"]
-    losses = format_table([["step", "rtp loss", "ddp loss", "|diff|"],
-                           *[[s, f"{rtp_loss[s - 1]:.6f}", f"{ddp_loss[s - 1]:.6f}",
-                              f"{abs(rtp_loss[s - 1] - ddp_loss[s - 1]):.2e}"]
-                             for s in result["logged_steps"]]])
+    losses = format_table(
+        [
+            ["step", "rtp loss", "ddp loss", "|diff|"],
+            *[
+                [
+                    s,
+                    f"{rtp_loss[s - 1]:.6f}",
+                    f"{ddp_loss[s - 1]:.6f}",
+                    f"{abs(rtp_loss[s - 1] - ddp_loss[s - 1]):.2e}",
+                ]
+                for s in result["logged_steps"]
+            ],
+        ]
+    )
     lines = [
         "",
         losses,
@@ -324,8 +406,10 @@ def format_result(result: dict) -> str:
         _memory_table(result),
     ]
     if _has_peaks(result):
-        lines.append(f"peak step bytes: MemTracker peak of step {memory_step(steps) + 1} "
-                     "(parameters, gradients, optimizer state, activations, temporaries)")
+        lines.append(
+            f"peak step bytes: MemTracker peak of step {memory_step(steps) + 1} "
+            "(parameters, gradients, optimizer state, activations, temporaries)"
+        )
     lines += [
         "",
         f"tokens/s (all {result['world_size']} ranks, {result['tokens_per_step']:,} tokens a "
@@ -345,9 +429,11 @@ def _drift_note(result: dict) -> list[str]:
     """Why float32 losses drifted apart after the first steps, if they did."""
     if result["dtype"] != "float32" or result["max_loss_diff"] <= 1e-4:
         return []
-    return ["float32: the two runs add up gradients in different orders, and AdamW amplifies the",
-            "rounding until they drift apart while training alike; --dtype float64 shows them",
-            "agree to rounding over the whole run"]
+    return [
+        "float32: the two runs add up gradients in different orders, and AdamW amplifies the",
+        "rounding until they drift apart while training alike; --dtype float64 shows them",
+        "agree to rounding over the whole run",
+    ]
 
 
 def _memory_table(result: dict) -> str:

@@ -1,4 +1,5 @@
 """Small built-in models: the GPT-style decoder the demo trains and the notebooks inspect."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,8 +40,12 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
-                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd),
+            nn.GELU(),
+            nn.Linear(4 * cfg.n_embd, cfg.n_embd),
+            nn.Dropout(cfg.dropout),
+        )
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -82,8 +87,9 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(model: TinyGPT, prompt: torch.Tensor, n_new: int, *, temperature: float = 0.8,
-             seed: int = 0) -> torch.Tensor:
+def generate(
+    model: TinyGPT, prompt: torch.Tensor, n_new: int, *, temperature: float = 0.8, seed: int = 0
+) -> torch.Tensor:
     """Continue the token ids `prompt` [T] by `n_new` tokens sampled from `model` (an unsharded
     TinyGPT), reading at most its last `block_size` tokens; `temperature` 0 is greedy. Sampled
     with a generator seeded by `seed`: the same model, prompt and seed give the same text.
@@ -93,7 +99,7 @@ def generate(model: TinyGPT, prompt: torch.Tensor, n_new: int, *, temperature: f
     model.eval()
     ids = prompt.clone()
     for _ in range(n_new):
-        logits = model(ids[-model.cfg.block_size:].unsqueeze(0))[0, -1]
+        logits = model(ids[-model.cfg.block_size :].unsqueeze(0))[0, -1]
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=gen)
@@ -118,5 +124,5 @@ def lm_step(rank: int, world_size: int, prog, vocab_size: int, batch_size: int, 
         opt.step()
         opt.zero_grad()
         return loss.item()
-    return step
 
+    return step

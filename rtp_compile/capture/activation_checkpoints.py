@@ -10,6 +10,7 @@ go with it (parameter reads are hoisted in front and passed in), so everything i
 from before becomes an input and everything used after it an output; a buffer is read by the
 region itself (BatchNorm updates its statistics in place, which checkpoint refuses of an input).
 """
+
 from __future__ import annotations
 
 import operator
@@ -22,10 +23,17 @@ from rtp_compile.runtime.recompute import CheckpointedRegion
 
 def node_regions(graph: fx.Graph) -> dict[fx.Node, int | None]:
     """Every node's activation checkpoint (None: outside any)."""
-    of_unit = {unit_of(node): checkpoint_region(node) for node in graph.nodes
-               if unit_of(node) is not None and checkpoint_region(node) is not None}
-    return {node: checkpoint_region(node) if checkpoint_region(node) is not None
-            else of_unit.get(unit_of(node)) for node in graph.nodes}
+    of_unit = {
+        unit_of(node): checkpoint_region(node)
+        for node in graph.nodes
+        if unit_of(node) is not None and checkpoint_region(node) is not None
+    }
+    return {
+        node: checkpoint_region(node)
+        if checkpoint_region(node) is not None
+        else of_unit.get(unit_of(node))
+        for node in graph.nodes
+    }
 
 
 def outline_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
@@ -33,14 +41,15 @@ def outline_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
     for region in dict.fromkeys(r for r in node_regions(gm.graph).values() if r is not None):
         regions, order = node_regions(gm.graph), list(gm.graph.nodes)
         at = [i for i, node in enumerate(order) if regions[node] == region]
-        span = order[at[0]:at[-1] + 1]
+        span = order[at[0] : at[-1] + 1]
         others = {regions[n] for n in span} - {region, None}
         if others:
             raise ValueError(
                 f"rtp_compile: activation checkpoint {region} of the model is interleaved with "
                 f"checkpoint(s) {sorted(others)} in the rank's program, so it cannot be "
                 "recomputed on its own. Checkpoint whole blocks whose outputs feed the next one "
-                "(e.g. x = checkpoint(block, x, use_reentrant=False) per block).")
+                "(e.g. x = checkpoint(block, x, use_reentrant=False) per block)."
+            )
         _outline(gm, span, regions, region)
     gm.graph.lint()
     gm.recompile()
@@ -68,8 +77,7 @@ def _outline(gm: fx.GraphModule, span: list[fx.Node], regions, region: int) -> N
         env[node] = body.node_copy(node, lambda a: env[a])
     body.output(tuple(env[n] for n in outputs))
     name = f"rtp_checkpoints.region{region}"
-    gm.add_submodule(name, CheckpointedRegion(fx.GraphModule(gm, body, "CheckpointedBody"),
-                                              region))
+    gm.add_submodule(name, CheckpointedRegion(fx.GraphModule(gm, body, "CheckpointedBody"), region))
     with gm.graph.inserting_before(span[0]):
         call = gm.graph.call_module(name, tuple(inputs))
         results = [gm.graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]

@@ -6,6 +6,7 @@ and `torch.export.export(strict=False)` with them (what real models need), unlif
 GraphModule. Either way every parameter is a `get_attr` node named by its canonical (first)
 fully qualified name; tied aliases are listed so state dicts can restore every name.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,13 +29,14 @@ class CaptureError(RuntimeError):
 @dataclass
 class Captured:
     """A captured model: the graph module, its capture level and the parameters by name."""
+
     gm: fx.GraphModule
-    level: str                                   # "function" (fx) | "aten" (export)
-    params: dict[str, torch.Tensor]              # canonical name -> the model's parameter
+    level: str  # "function" (fx) | "aten" (export)
+    params: dict[str, torch.Tensor]  # canonical name -> the model's parameter
     aliases: dict[str, list[str]] = field(default_factory=dict)  # canonical -> every name
     native_keys: list[str] = field(default_factory=list)  # parameters, persistent buffers
-    model: nn.Module | None = field(default=None, repr=False)    # what was captured (meta init)
-    examples: tuple = field(default=(None, None), repr=False)   # (example_inputs, _kwargs) given
+    model: nn.Module | None = field(default=None, repr=False)  # what was captured (meta init)
+    examples: tuple = field(default=(None, None), repr=False)  # (example_inputs, _kwargs) given
 
 
 def parameter_names(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
@@ -50,8 +52,13 @@ def parameter_names(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str
     return params, aliases
 
 
-def capture(model: nn.Module, example_inputs=None, example_kwargs=None,
-            compute_dtype: torch.dtype | None = None, cast_inputs: bool = True) -> Captured:
+def capture(
+    model: nn.Module,
+    example_inputs=None,
+    example_kwargs=None,
+    compute_dtype: torch.dtype | None = None,
+    cast_inputs: bool = True,
+) -> Captured:
     """Capture `model`: torch.export with example inputs (or the `dummy_inputs` a transformers
     model carries), torch.fx.symbolic_trace without. Nodes computed inside an activation
     checkpoint are labelled with it (`checkpoint_region`).
@@ -64,8 +71,9 @@ def capture(model: nn.Module, example_inputs=None, example_kwargs=None,
     model's own again: the graph reads them through the casts the passes add."""
     params, aliases = parameter_names(model)
     if compute_dtype is not None:
-        example_inputs, example_kwargs = _cast_floating((example_inputs, example_kwargs),
-                                                        compute_dtype if cast_inputs else None)
+        example_inputs, example_kwargs = _cast_floating(
+            (example_inputs, example_kwargs), compute_dtype if cast_inputs else None
+        )
     with _labelling_checkpoints(), _parameters_in(model, compute_dtype):
         if example_inputs is None and example_kwargs is None:
             dummy = _fitting_dummy_inputs(model)
@@ -74,12 +82,21 @@ def capture(model: nn.Module, example_inputs=None, example_kwargs=None,
             else:
                 gm, level = _trace_fx(model), "function"
         else:
-            gm, level = _export(model, example_inputs, example_kwargs,
-                                "the given example inputs"), "aten"
+            gm, level = (
+                _export(model, example_inputs, example_kwargs, "the given example inputs"),
+                "aten",
+            )
     _canonicalise_parameter_reads(gm, aliases)
     _drop_metadata_asserts(gm)
-    return Captured(gm, level, params, aliases, native_state_keys(model), model=model,
-                    examples=(example_inputs, example_kwargs))
+    return Captured(
+        gm,
+        level,
+        params,
+        aliases,
+        native_state_keys(model),
+        model=model,
+        examples=(example_inputs, example_kwargs),
+    )
 
 
 @contextlib.contextmanager
@@ -112,7 +129,8 @@ def _cast_floating(tree, dtype: torch.dtype | None):
     if dtype is None:
         return tree
     return torch.utils._pytree.tree_map_only(
-        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree
+    )
 
 
 # What export leaves in a graph to re-check what it saw: the dtype, device and layout of a
@@ -156,25 +174,29 @@ def _labelling_checkpoints():
         raise CaptureError(
             "rtp_compile cannot capture torch.utils.checkpoint.checkpoint(..., "
             "use_reentrant=True): pass use_reentrant=False (what torch recommends), which "
-            "rtp_compile keeps as an activation checkpoint of the rank's program")
+            "rtp_compile keeps as an activation checkpoint of the rank's program"
+        )
 
-    saved = (torch_checkpoint._checkpoint_without_reentrant_generator,
-             torch_checkpoint.CheckpointFunction.apply)
+    saved = (
+        torch_checkpoint._checkpoint_without_reentrant_generator,
+        torch_checkpoint.CheckpointFunction.apply,
+    )
     torch_checkpoint._checkpoint_without_reentrant_generator = labelled
     torch_checkpoint.CheckpointFunction.apply = reentrant
     try:
         with fx_traceback.preserve_node_meta():
             yield
     finally:
-        (torch_checkpoint._checkpoint_without_reentrant_generator,
-         torch_checkpoint.CheckpointFunction.apply) = saved
+        (
+            torch_checkpoint._checkpoint_without_reentrant_generator,
+            torch_checkpoint.CheckpointFunction.apply,
+        ) = saved
 
 
 def _named_inputs(model: nn.Module) -> list[str]:
     """The forward's parameters that can be passed by name (not *args / **kwargs)."""
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return [p.name for p in inspect.signature(model.forward).parameters.values()
-            if p.kind in kinds]
+    return [p.name for p in inspect.signature(model.forward).parameters.values() if p.kind in kinds]
 
 
 def _fitting_dummy_inputs(model: nn.Module) -> dict | None:
@@ -206,8 +228,9 @@ def _trace_fx(model: nn.Module) -> fx.GraphModule:
 def _without_kv_cache(model: nn.Module):
     """transformers models return a KV cache (a generation-time structure training never reads,
     and not a pytree export can flatten): switch it off in every sub-config while capturing."""
-    configs = {id(c): c for m in model.modules()
-               if hasattr(c := getattr(m, "config", None), "use_cache")}
+    configs = {
+        id(c): c for m in model.modules() if hasattr(c := getattr(m, "config", None), "use_cache")
+    }
     saved = {key: c.use_cache for key, c in configs.items()}
     for c in configs.values():
         c.use_cache = False
@@ -224,12 +247,17 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     from torch.export import Dim
 
     def auto_dims(value):
-        return {d: Dim.AUTO for d in range(value.dim())} if isinstance(value, torch.Tensor) else None
+        return (
+            {d: Dim.AUTO for d in range(value.dim())} if isinstance(value, torch.Tensor) else None
+        )
 
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
-    return {name: torch.utils._pytree.tree_map(auto_dims, value,
-                                               is_leaf=lambda v: isinstance(v, torch.Tensor))
-            for name, value in bound.items()}
+    return {
+        name: torch.utils._pytree.tree_map(
+            auto_dims, value, is_leaf=lambda v: isinstance(v, torch.Tensor)
+        )
+        for name, value in bound.items()
+    }
 
 
 def _sizes_of_one_doubled(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -247,8 +275,10 @@ def _sizes_of_one_doubled(args: tuple, kwargs: dict) -> tuple[tuple, dict] | Non
         return value
 
     is_leaf = lambda v: isinstance(v, torch.Tensor)  # noqa: E731
-    out = (torch.utils._pytree.tree_map(grow, args, is_leaf=is_leaf),
-           torch.utils._pytree.tree_map(grow, kwargs, is_leaf=is_leaf))
+    out = (
+        torch.utils._pytree.tree_map(grow, args, is_leaf=is_leaf),
+        torch.utils._pytree.tree_map(grow, kwargs, is_leaf=is_leaf),
+    )
     return out if grown else None
 
 
@@ -256,8 +286,14 @@ def _same_outputs(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dic
     """Whether the graph captured from other sizes gives the model's outputs on the example
     itself (same random state for both; False where a meta tensor leaves nothing to compare)."""
     leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    if any(t.is_meta for t in (*model.parameters(), *model.buffers(),
-                               *[v for v in leaves if isinstance(v, torch.Tensor)])):
+    if any(
+        t.is_meta
+        for t in (
+            *model.parameters(),
+            *model.buffers(),
+            *[v for v in leaves if isinstance(v, torch.Tensor)],
+        )
+    ):
         return False
     with torch.no_grad(), torch.random.fork_rng():
         torch.manual_seed(0)
@@ -287,8 +323,9 @@ def _export(model: nn.Module, args, kwargs, source: str) -> fx.GraphModule:
         try:
             dynamic = _dynamic_shapes(model, args, kwargs)
         except TypeError as err:
-            raise CaptureError(f"rtp_compile: {source} do not fit "
-                               f"{type(model).__name__}.forward: {err}") from err
+            raise CaptureError(
+                f"rtp_compile: {source} do not fit {type(model).__name__}.forward: {err}"
+            ) from err
         grown = _sizes_of_one_doubled(args, kwargs)
         if grown is not None:  # export fixes a size it sees as 1: trace at 2, check at 1
             try:
@@ -301,12 +338,15 @@ def _export(model: nn.Module, args, kwargs, source: str) -> fx.GraphModule:
                 pass  # the model needs those sizes to be 1: capture them fixed, as given
         for dynamic_shapes in (dynamic, None):  # sizes free where the model allows, else fixed
             try:
-                return export(model, args, kwargs, strict=False,
-                              dynamic_shapes=dynamic_shapes).module()
+                return export(
+                    model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes
+                ).module()
             except CaptureError:
                 raise
             except Exception as err:
-                errors.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+                errors.append(
+                    f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                )
     raise CaptureError(
         f"rtp_compile could not capture {type(model).__name__} with torch.export.export"
         f"(strict=False) from {source} (tried with dynamic sizes, then static): "

@@ -8,6 +8,7 @@ right after its step), `unit_autograd` the unit's runtime module (handed its bac
 the hops get the rank's process group. Nodes of a unit keep their label
 `core.ir.NodeLabel(unit, step, action)` in `node.meta["rtp"]`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,20 +19,30 @@ import torch.fx as fx
 from torch import nn
 
 from rtp_compile.capture.activation_checkpoints import outline_checkpoints
+from rtp_compile.core.graph_ops import add_into
+from rtp_compile.core.ir import (
+    Action,
+    CombineMode,
+    NodeLabel,
+    Split,
+    UnitKind,
+    bucket_params,
+    gathered_op,
+    gathered_small,
+    unit_autograd,
+    unit_combine,
+    unit_step,
+)
 from rtp_compile.core.op_rules import Combine
 from rtp_compile.passes.manager.context import Context
-from rtp_compile.core.ir import (Action, CombineMode, NodeLabel, Split, UnitKind, bucket_params,
-                                gathered_op, gathered_small, unit_autograd, unit_combine,
-                                unit_step)
 from rtp_compile.passes.schedule import LabellingTracer
 from rtp_compile.runtime.bucket import BucketRuntime
 from rtp_compile.runtime.events import forward_shard
-from rtp_compile.core.graph_ops import add_into
-from rtp_compile.runtime.fused import LINEAR, FusedBlockRuntime, head_groups, sub_roles
-from rtp_compile.runtime.replicas import ReplicaGradReduction
 from rtp_compile.runtime.failure import install_failure_handling
-from rtp_compile.runtime.job import BufferBroadcast, JobCheck
+from rtp_compile.runtime.fused import LINEAR, FusedBlockRuntime, head_groups, sub_roles
 from rtp_compile.runtime.gathered import GatheredOpRuntime
+from rtp_compile.runtime.job import BufferBroadcast, JobCheck
+from rtp_compile.runtime.replicas import ReplicaGradReduction
 from rtp_compile.runtime.rotated import RotatedOpRuntime
 from rtp_compile.runtime.small import SmallParamsGather
 
@@ -53,11 +64,20 @@ def _install(root: nn.Module, target: str, value: torch.Tensor) -> None:
 class RankEmitter:
     """Builds the GraphModule of one rank from the shared program."""
 
-    def __init__(self, ctx: Context, program_gm: fx.GraphModule, rank: int, group_name: str,
-                 device=None, broadcast_buffers=True,
-                 shards: dict[str, torch.Tensor] | None = None,
-                 attrs: dict[str, torch.Tensor] | None = None,
-                 replica: int = 0, replicas: int = 1, replica_group_name: str | None = None):
+    def __init__(
+        self,
+        ctx: Context,
+        program_gm: fx.GraphModule,
+        rank: int,
+        group_name: str,
+        device=None,
+        broadcast_buffers=True,
+        shards: dict[str, torch.Tensor] | None = None,
+        attrs: dict[str, torch.Tensor] | None = None,
+        replica: int = 0,
+        replicas: int = 1,
+        replica_group_name: str | None = None,
+    ):
         """`shards`: this rank's parameter shards, ready (default: cut from the model's
         parameters); `attrs`: values for buffers / constants of the program (default: copies of
         its own). `replica` of `replicas` in group `replica_group_name`: where the rank's ring
@@ -81,9 +101,14 @@ class RankEmitter:
     def emit(self) -> fx.GraphModule:
         env: dict[fx.Node, fx.Node | None] = {}
         checked = False
-        lowerings = {unit_step: self._step, unit_combine: self._combine,
-                     unit_autograd: self._autograd, gathered_op: self._gathered,
-                     gathered_small: self._small, bucket_params: self._bucket}
+        lowerings = {
+            unit_step: self._step,
+            unit_combine: self._combine,
+            unit_autograd: self._autograd,
+            gathered_op: self._gathered,
+            gathered_small: self._small,
+            bucket_params: self._bucket,
+        }
         for node in self.src.graph.nodes:
             if node.op != "placeholder" and not checked:
                 self._emit_job_start()
@@ -116,23 +141,30 @@ class RankEmitter:
         them too for "mean"), None with one replica."""
         if self.replicas == 1:
             return None
-        read = [p for name, p in gm.named_parameters()
-                if p.requires_grad and self.plan.strategy(name) != "unused"]
+        read = [
+            p
+            for name, p in gm.named_parameters()
+            if p.requires_grad and self.plan.strategy(name) != "unused"
+        ]
         scale = 1.0 / self.replicas if self.ctx.options.grad_reduction == "mean" else 1.0
         return ReplicaGradReduction(read, self.replica_group_name, scale)
 
     def _emit_job_start(self) -> None:
         """Check the job, then (like DDP) take the first rank's buffers."""
-        self.root["rtp_job"] = JobCheck(self.n, self.rank, self.group_name, self.replica,
-                                        self.replicas, self.replica_group_name)
+        self.root["rtp_job"] = JobCheck(
+            self.n, self.rank, self.group_name, self.replica, self.replicas, self.replica_group_name
+        )
         self.graph.call_module("rtp_job")
         buffers = [name for name, _ in self.src.named_buffers()]
         if self.broadcast_buffers and buffers and self.n * self.replicas > 1:
             reads = [self.graph.get_attr(name) for name in buffers]
             for read in reads:
                 self._own_attr(read)
-            groups = (self.group_name,) if self.replica_group_name is None else \
-                (self.group_name, self.replica_group_name)
+            groups = (
+                (self.group_name,)
+                if self.replica_group_name is None
+                else (self.group_name, self.replica_group_name)
+            )
             self.root["rtp_buffers"] = BufferBroadcast(groups)
             self.graph.call_module("rtp_buffers", tuple(reads))
 
@@ -143,8 +175,11 @@ class RankEmitter:
                 self.root[node.target] = self._shard(node.target)
             else:
                 value = operator.attrgetter(node.target)(self.src)
-                self.root[node.target] = self._attr_value(node.target, value) \
-                    if isinstance(value, torch.Tensor) else value
+                self.root[node.target] = (
+                    self._attr_value(node.target, value)
+                    if isinstance(value, torch.Tensor)
+                    else value
+                )
         elif node.op == "call_module" and node.target not in self.root:
             self.root[node.target] = copy.deepcopy(self.src.get_submodule(node.target))
 
@@ -176,15 +211,16 @@ class RankEmitter:
         roles, layouts, shapes = self._layouts(unit)
         s = forward_shard(self.rank, k, self.n)
         proxy = lambda a: fx.Proxy(env[a], self.tracer)  # noqa: E731
-        x_p, held = proxy(x), {r: proxy(h) for r, h in zip(roles, rest[:len(roles)])}
+        x_p, held = proxy(x), {r: proxy(h) for r, h in zip(roles, rest[: len(roles)])}
         slots = {r: lay.slot(s) for r, lay in zip(roles, layouts)}
         # labels from the arguments, not node.meta (which an fx re-trace of the graph drops)
         self.tracer.label = NodeLabel(name, k, Action.COMPUTE)
         if unit.kind == UnitKind.FUSED:
-            out = self._fused_step(unit, s, x_p, held, slots, shapes,
-                                   [env[e] for e in rest[len(roles):]])
+            out = self._fused_step(
+                unit, s, x_p, held, slots, shapes, [env[e] for e in rest[len(roles) :]]
+            )
         else:
-            options = unit.call.run_options([proxy(e) for e in rest[len(roles):]])
+            options = unit.call.run_options([proxy(e) for e in rest[len(roles) :]])
             out = unit.call.rule.forward_step(unit.mode, options, x_p, held, slots, shapes)
         self.tracer.label = None
         if out is None:
@@ -197,16 +233,26 @@ class RankEmitter:
         width = slots["tail.weight"].valid
         tail = [sub_roles(d, "tail") for d in (shards, slots, shapes)]
         if width == 0:  # an all-padding shard: only the tail's bias slot, if any
-            return LINEAR.row_partial(fusion.tail.call.options, x_p.narrow(-1, 0, 0), *tail) \
-                if "bias" in tail[0] else None
-        heads = [LINEAR.forward_step(Split.COL, h.call.options, x_p,
-                                     *[sub_roles(d, f"head{i}") for d in (shards, slots, shapes)])
-                 for i, h in enumerate(fusion.heads)]
+            return (
+                LINEAR.row_partial(fusion.tail.call.options, x_p.narrow(-1, 0, 0), *tail)
+                if "bias" in tail[0]
+                else None
+            )
+        heads = [
+            LINEAR.forward_step(
+                Split.COL,
+                h.call.options,
+                x_p,
+                *[sub_roles(d, f"head{i}") for d in (shards, slots, shapes)],
+            )
+            for i, h in enumerate(fusion.heads)
+        ]
         self.saved.setdefault(unit.name, {})[s] = [h.node for h in heads]  # for backward
         # this shard's groups of the cut axis (whole heads), as constants of the step
         tail_layout = self.plan.params[unit.params["tail.weight"]]
-        hidden = body(*head_groups(slots, tail_layout), *heads,
-                      *[fx.Proxy(e, self.tracer) for e in externals])
+        hidden = body(
+            *head_groups(slots, tail_layout), *heads, *[fx.Proxy(e, self.tracer) for e in externals]
+        )
         return LINEAR.row_partial(fusion.tail.call.options, hidden, *tail)
 
     def _combine(self, node: fx.Node, env) -> fx.Node:
@@ -215,15 +261,19 @@ class RankEmitter:
         name, parts = node.args
         unit = self.units[name]
         _, _, shapes = self._layouts(unit)
-        combine = Combine(CombineMode.SUM) if unit.kind == UnitKind.FUSED else \
-            unit.call.rule.combine(unit.mode, unit.call.options, shapes)
+        combine = (
+            Combine(CombineMode.SUM)
+            if unit.kind == UnitKind.FUSED
+            else unit.call.rule.combine(unit.mode, unit.call.options, shapes)
+        )
         if combine.how == CombineMode.SUM:
             return self._running_sum(name, parts, env)
         by_shard = {forward_shard(self.rank, p.args[1], self.n): env[p] for p in parts}
         ordered = [by_shard[s] for s in sorted(by_shard) if by_shard[s] is not None]
         self.tracer.label = NodeLabel(name, self.n - 1, Action.COMBINE)
-        y = self.tracer.create_node("call_function", torch.cat, (ordered, combine.dim), {},
-                                    name=f"{name}_out")
+        y = self.tracer.create_node(
+            "call_function", torch.cat, (ordered, combine.dim), {}, name=f"{name}_out"
+        )
         self.tracer.label = None
         return y
 
@@ -237,8 +287,9 @@ class RankEmitter:
         for k, part in rest:
             self.tracer.label = NodeLabel(name, k, Action.COMBINE)
             with self.graph.inserting_after(part):
-                y = self.tracer.create_node("call_function", add_into, (y, part), {},
-                                            name=f"{name}_sum")
+                y = self.tracer.create_node(
+                    "call_function", add_into, (y, part), {}, name=f"{name}_sum"
+                )
         self.tracer.label = None
         return y
 
@@ -248,24 +299,31 @@ class RankEmitter:
         name, *args = node.args
         unit = self.units[name]
         roles, layouts, _ = self._layouts(unit)
-        common = (self.rank, self.n, self.group_name, self.ctx.schedules[name],
-                  self.ctx.grad_scale, self.ctx.precision)
+        common = (
+            self.rank,
+            self.n,
+            self.group_name,
+            self.ctx.schedules[name],
+            self.ctx.grad_scale,
+            self.ctx.precision,
+        )
         if unit.kind == UnitKind.FUSED:
-            self.root[f"rtp_units.{name}"] = FusedBlockRuntime(name, unit.fusion, roles, layouts,
-                                                       self.ctx.bodies[name], *common)
+            self.root[f"rtp_units.{name}"] = FusedBlockRuntime(
+                name, unit.fusion, roles, layouts, self.ctx.bodies[name], *common
+            )
             saved = self.saved.get(name, {})
             keep = [h for s in range(self.n) for h in saved.get(s, [])]
         else:
-            self.root[f"rtp_units.{name}"] = RotatedOpRuntime(name, unit.call, unit.mode, layouts,
-                                                          *common)
+            self.root[f"rtp_units.{name}"] = RotatedOpRuntime(
+                name, unit.call, unit.mode, layouts, *common
+            )
             keep = []
         bucket = self.ctx.schedules[name].bucket
         ticket = {}
         if bucket is not None:  # not a submodule: the bucket's runtime is rtp_buckets.<name>
             self.root[f"rtp_units.{name}"].__dict__["bucket"] = self.buckets[bucket]
             ticket = {"ticket": self.tickets[bucket]}
-        out = self.graph.call_module(f"rtp_units.{name}", (*[env[a] for a in args], *keep),
-                                     ticket)
+        out = self.graph.call_module(f"rtp_units.{name}", (*[env[a] for a in args], *keep), ticket)
         out.meta.update(node.meta)
         return out
 
@@ -273,17 +331,29 @@ class RankEmitter:
         name, *rest = node.args
         unit = self.units[name]
         n_params = len(unit.params)
-        inputs = [env[a] if isinstance(a, fx.Node) else a for a in rest[:len(rest) - n_params]]
-        params = [env[a] for a in rest[len(rest) - n_params:]]
+        inputs = [env[a] if isinstance(a, fx.Node) else a for a in rest[: len(rest) - n_params]]
+        params = [env[a] for a in rest[len(rest) - n_params :]]
         layouts = [self.plan.params[p] for p in unit.params.values()]
         body = self.ctx.bodies[name]
         held = {n for n, _ in body.named_parameters(remove_duplicate=False)}
         # the body names a parameter as it reads it: a tied module called whole, by its alias
-        names = [next((a for a in self.ctx.aliases.get(p, [p]) if a in held), p)
-                 for p in unit.params.values()]
+        names = [
+            next((a for a in self.ctx.aliases.get(p, [p]) if a in held), p)
+            for p in unit.params.values()
+        ]
         self.root[f"rtp_units.{name}"] = GatheredOpRuntime(
-            name, body, names, layouts, self.rank, self.n, self.group_name,
-            self.ctx.schedules[name], self.ctx.grad_scale, unit.reason, self.ctx.precision)
+            name,
+            body,
+            names,
+            layouts,
+            self.rank,
+            self.n,
+            self.group_name,
+            self.ctx.schedules[name],
+            self.ctx.grad_scale,
+            unit.reason,
+            self.ctx.precision,
+        )
         out = self.graph.call_module(f"rtp_units.{name}", (*inputs, *params))
         out.meta.update(node.meta)
         return out
@@ -293,8 +363,15 @@ class RankEmitter:
         names = [read.target for read in node.args]
         first = next(u for u in self.plan.units if u.kind == UnitKind.SMALL)
         self.root["rtp_units.small_params"] = SmallParamsGather(
-            names, [self.plan.params[p] for p in names], self.rank, self.n, self.group_name,
-            self.ctx.schedules[first.name], self.ctx.grad_scale, self.ctx.precision)
+            names,
+            [self.plan.params[p] for p in names],
+            self.rank,
+            self.n,
+            self.group_name,
+            self.ctx.schedules[first.name],
+            self.ctx.grad_scale,
+            self.ctx.precision,
+        )
         out = self.graph.call_module("rtp_units.small_params", tuple(env[a] for a in node.args))
         out.meta.update(node.meta)
         return out
@@ -305,9 +382,16 @@ class RankEmitter:
         members = [self.units[m] for m in self.ctx.buckets[name]]
         layouts = [self.plan.params[p] for u in members for p in u.params.values()]
         runtime = self.buckets[name] = BucketRuntime(
-            name, [(u.name, len(u.params)) for u in members], layouts, self.rank, self.n,
-            self.group_name, self.ctx.schedules[members[0].name], self.ctx.grad_scale,
-            self.ctx.precision)
+            name,
+            [(u.name, len(u.params)) for u in members],
+            layouts,
+            self.rank,
+            self.n,
+            self.group_name,
+            self.ctx.schedules[members[0].name],
+            self.ctx.grad_scale,
+            self.ctx.precision,
+        )
         self.root[f"rtp_buckets.{name}"] = runtime
         out = self.graph.call_module(f"rtp_buckets.{name}", tuple(env[a] for a in params))
         out.meta.update(node.meta)

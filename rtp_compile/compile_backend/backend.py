@@ -13,6 +13,7 @@ identity: dynamo guards check only metadata, so one graph serves every identical
 the user's own buffers; after the first call the full parameters' storage is released
 (`shard_registry`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,24 +23,30 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from rtp_compile.state import shard_registry as registry
 from rtp_compile.codegen.emit import RankEmitter
-from rtp_compile.compiler.transform import transform
 from rtp_compile.compile_backend.dynamo_graph import Lifted, lift
-from rtp_compile.core.layout import ParamLayout
 from rtp_compile.compiler.program import RTPProgram
+from rtp_compile.compiler.transform import transform
+from rtp_compile.core.layout import ParamLayout
 from rtp_compile.runtime.unshard import is_unshard
+from rtp_compile.state import shard_registry as registry
+
 
 def _compiled_by(compiler: str):
     """A rank compiler that compiles the emitted rank module whole with torch.compile's
     `compiler` backend (its ring ops are functional custom ops: `runtime.ring`)."""
+
     def compile_rank(gm: fx.GraphModule, example_inputs):
         return torch.compile(gm, backend=compiler, fullgraph=True)
+
     return compile_rank
 
 
-RANK_COMPILERS = {"eager": lambda gm, example_inputs: gm,
-                  "aot_eager": _compiled_by("aot_eager"), "inductor": _compiled_by("inductor")}
+RANK_COMPILERS = {
+    "eager": lambda gm, example_inputs: gm,
+    "aot_eager": _compiled_by("aot_eager"),
+    "inductor": _compiled_by("inductor"),
+}
 
 
 class RTPBackend:
@@ -51,13 +58,19 @@ class RTPBackend:
     first call, with its inputs); `transform_opts`: `rtp_compile.transform`'s options.
     `programs` keeps each graph's program (in compile order), for inspection."""
 
-    def __init__(self, world_size: int | None = None, group: dist.ProcessGroup | None = None,
-                 rank_compiler="inductor", **transform_opts):
+    def __init__(
+        self,
+        world_size: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        rank_compiler="inductor",
+        **transform_opts,
+    ):
         if "fixed_layouts" in transform_opts:
             raise TypeError("rtp_compile.backend: fixed_layouts is the backend's to set")
         self.world_size, self.group = world_size, group
-        self.rank_compiler = RANK_COMPILERS[rank_compiler] if isinstance(rank_compiler, str) \
-            else rank_compiler
+        self.rank_compiler = (
+            RANK_COMPILERS[rank_compiler] if isinstance(rank_compiler, str) else rank_compiler
+        )
         self.transform_opts = transform_opts
         self.programs: list[RTPProgram] = []
         registry.install_optimizer_hook()
@@ -65,28 +78,44 @@ class RTPBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs):
         world_size = self.world_size or dist.get_world_size(self.group)
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-        group_name = "" if self.group is None or self.group == dist.group.WORLD \
-            else self.group.group_name
+        group_name = (
+            "" if self.group is None or self.group == dist.group.WORLD else self.group.group_name
+        )
         lifted = lift(_unshards_removed(gm), example_inputs, _full_shape)
-        fixed = [(name, e.layout.dim, e.layout.granule) for name, i in lifted.params.items()
-                 if (e := registry.entry_of(example_inputs[i])) is not None]
+        fixed = [
+            (name, e.layout.dim, e.layout.granule)
+            for name, i in lifted.params.items()
+            if (e := registry.entry_of(example_inputs[i])) is not None
+        ]
         self._check_precision(lifted, example_inputs)
         user = tuple(example_inputs[i] for i in lifted.inputs)
         with torch._guards.tracing(None):  # export must not reuse dynamo's fake mode
-            prog = transform(lifted.gm, world_size, example_inputs=user, fixed_layouts=fixed,
-                             **self.transform_opts)
+            prog = transform(
+                lifted.gm,
+                world_size,
+                example_inputs=user,
+                fixed_layouts=fixed,
+                **self.transform_opts,
+            )
         self.programs.append(prog)
         # the rank module holds placeholders: every call binds the shards of the parameters
         # and the buffers it is passed (a graph dynamo keeps cached keeps no shard alive, and
         # no copy of a buffer)
-        shards = {name: _placeholder(lay.shard_shape, lay.dtype, prog.ctx.params[name].device)
-                  for name, lay in prog.plan.params.items()}
-        buffers = {name: _placeholder(b.shape, b.dtype, b.device)
-                   for name, i in lifted.buffers.items() for b in [example_inputs[i]]}
-        rank_gm = RankEmitter(prog.ctx, prog.graph_module, rank, group_name, shards=shards,
-                              attrs=buffers).emit()
-        return BoundRankProgram(self.rank_compiler, rank_gm, lifted, prog.plan.params, rank,
-                                group_name)
+        shards = {
+            name: _placeholder(lay.shard_shape, lay.dtype, prog.ctx.params[name].device)
+            for name, lay in prog.plan.params.items()
+        }
+        buffers = {
+            name: _placeholder(b.shape, b.dtype, b.device)
+            for name, i in lifted.buffers.items()
+            for b in [example_inputs[i]]
+        }
+        rank_gm = RankEmitter(
+            prog.ctx, prog.graph_module, rank, group_name, shards=shards, attrs=buffers
+        ).emit()
+        return BoundRankProgram(
+            self.rank_compiler, rank_gm, lifted, prog.plan.params, rank, group_name
+        )
 
     def _check_precision(self, lifted: Lifted, example_inputs) -> None:
         """Mixed precision needs a graph that dynamo traced computing in `param_dtype`: of a
@@ -107,11 +136,16 @@ class RTPBackend:
                     "in the dtype its weights are read in, so shard it first with the backend's "
                     "policy: model = rtp_compile.shard(model, mp_policy=policy), then "
                     "torch.compile(model, backend=rtp_compile.backend(mp_policy=policy)), as "
-                    "FSDP2 takes fully_shard(model, mp_policy=...) before torch.compile.")
+                    "FSDP2 takes fully_shard(model, mp_policy=...) before torch.compile."
+                )
 
 
-def backend(world_size: int | None = None, group: dist.ProcessGroup | None = None,
-            rank_compiler="inductor", **transform_opts) -> RTPBackend:
+def backend(
+    world_size: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    rank_compiler="inductor",
+    **transform_opts,
+) -> RTPBackend:
     """A torch.compile backend that runs each captured graph as this rank's RTP program:
     `torch.compile(model, backend=rtp_compile.backend(world_size=N))` on every rank of a job.
     `world_size` defaults to the size of `group` (the whole job when None). `transform_opts`
@@ -151,16 +185,16 @@ def _unshards_removed(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _shard_for(param: torch.Tensor, layout: ParamLayout, rank: int,
-               group_name: str) -> registry.Sharded:
+def _shard_for(
+    param: torch.Tensor, layout: ParamLayout, rank: int, group_name: str
+) -> registry.Sharded:
     """The shard `param` is trained as: its registered one (which must be cut as `layout`),
     else cut now from the full parameter and registered."""
     entry = registry.entry_of(param)
     if entry is None:
         if registry.is_released(param):
             raise RuntimeError("rtp_compile backend: a released parameter has no shard")
-        shard = nn.Parameter(layout.shard(param.detach(), rank),
-                             requires_grad=param.requires_grad)
+        shard = nn.Parameter(layout.shard(param.detach(), rank), requires_grad=param.requires_grad)
         entry = registry.Sharded(layout, shard, rank, group_name)
         registry.register_full(param, entry)
     elif not entry.keeps(layout):
@@ -169,7 +203,8 @@ def _shard_for(param: torch.Tensor, layout: ParamLayout, rank: int,
             f"sharded along dim {entry.layout.dim} (granule {entry.layout.granule}), but this "
             f"compiled graph, which serves another module of the same shapes, cuts it along dim "
             f"{layout.dim} (granule {layout.granule}). Shard the model first "
-            f"(rtp_compile.shard(model, world_size)) so every graph sees fixed layouts.")
+            f"(rtp_compile.shard(model, world_size)) so every graph sees fixed layouts."
+        )
     return entry
 
 
@@ -184,8 +219,15 @@ class BoundRankProgram:
     its own, one per unit (guarded on the unit's key: past the recompile limit, fullgraph fails).
     The first call runs outside that compile: the code is generated again there."""
 
-    def __init__(self, compiler, rank_gm: fx.GraphModule, lifted: Lifted,
-                 layouts: dict[str, ParamLayout], rank: int, group_name: str):
+    def __init__(
+        self,
+        compiler,
+        rank_gm: fx.GraphModule,
+        lifted: Lifted,
+        layouts: dict[str, ParamLayout],
+        rank: int,
+        group_name: str,
+    ):
         self.compiler, self.run, self.rank_gm = compiler, None, rank_gm
         self.params, self.buffers, self.inputs = lifted.params, lifted.buffers, lifted.inputs
         self.layouts, self.rank, self.group_name = layouts, rank, group_name
@@ -249,7 +291,9 @@ def register_rtp_backend() -> None:
     from importlib.metadata import EntryPoint
 
     from torch._dynamo.backends import registry as dynamo_backends
-    if "rtp" in dynamo_backends._COMPILER_FNS or \
-            isinstance(dynamo_backends._BACKENDS.get("rtp"), EntryPoint):
+
+    if "rtp" in dynamo_backends._COMPILER_FNS or isinstance(
+        dynamo_backends._BACKENDS.get("rtp"), EntryPoint
+    ):
         return
     dynamo_backends.register_backend(rtp_backend, name="rtp")

@@ -10,6 +10,7 @@ Names come from dynamo's sources (`L['self']._modules['fc1']._parameters['weight
 `fc1.weight`), made unique; which tensor is which goes by identity, never by name (after a
 graph break one graph serves every identical layer).
 """
+
 from __future__ import annotations
 
 import re
@@ -28,6 +29,7 @@ class Lifted:
     a tied parameter passed twice reads one); `buffers`: name -> index; `inputs`: indices of the
     user's tensors, in the lifted module's argument order; `standins`: name -> the stand-in
     parameter installed there."""
+
     gm: fx.GraphModule | None = None
     params: dict[str, int] = field(default_factory=dict)
     buffers: dict[str, int] = field(default_factory=dict)
@@ -68,8 +70,10 @@ def _symint_source(node: fx.Node, tensors: list[fx.Node]) -> tuple[fx.Node, int]
         for d, size in enumerate(getattr(fake, "shape", ())):
             if isinstance(size, torch.SymInt) and size.node.expr == symbol:
                 return t, d
-    raise NotImplementedError(f"rtp_compile backend: size {symbol} of the compiled graph is not "
-                              "the size of any of its tensor inputs")
+    raise NotImplementedError(
+        f"rtp_compile backend: size {symbol} of the compiled graph is not "
+        "the size of any of its tensor inputs"
+    )
 
 
 def lift(gm: fx.GraphModule, example_inputs, full_shape) -> Lifted:

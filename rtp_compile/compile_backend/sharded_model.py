@@ -10,22 +10,30 @@ a node it turns back into a read of the shard, which its program rotates). So th
 no full parameter at any time, `model.parameters()` are the shards, the layouts are fixed for
 every graph dynamo captures, and state_dict keys stay the model's.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from rtp_compile.state import shard_registry as registry
 from rtp_compile.compiler.transform import transform
 from rtp_compile.core.state_keys import native_state_keys
-from rtp_compile.state.model_state import to_model_state_dict, to_native
 from rtp_compile.runtime.unshard import unshard
+from rtp_compile.state import shard_registry as registry
+from rtp_compile.state.model_state import to_model_state_dict, to_native
 
 
-def shard(model: nn.Module, world_size: int | None = None, example_inputs=None, *,
-          example_kwargs=None, group: dist.ProcessGroup | None = None,
-          grad_reduction: str = "mean", **transform_opts) -> nn.Module:
+def shard(
+    model: nn.Module,
+    world_size: int | None = None,
+    example_inputs=None,
+    *,
+    example_kwargs=None,
+    group: dist.ProcessGroup | None = None,
+    grad_reduction: str = "mean",
+    **transform_opts,
+) -> nn.Module:
     """Shard `model` in place for the ring of `group` (the whole job when None; `world_size`
     defaults to its size) and return it. Collective-free: every rank cuts its own shards from
     its own (identical) full parameters, which are then dropped.
@@ -45,8 +53,14 @@ def shard(model: nn.Module, world_size: int | None = None, example_inputs=None, 
     world_size = world_size or dist.get_world_size(group)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     group_name = "" if group is None or group == dist.group.WORLD else group.group_name
-    prog = transform(model, world_size, example_inputs, example_kwargs=example_kwargs,
-                     grad_reduction=grad_reduction, **transform_opts)
+    prog = transform(
+        model,
+        world_size,
+        example_inputs,
+        example_kwargs=example_kwargs,
+        grad_reduction=grad_reduction,
+        **transform_opts,
+    )
     compute_dtype = prog.ctx.precision.param_dtype
     scale = 1.0 / world_size if grad_reduction == "mean" else 1.0
     canonical = prog.ctx.canonical
@@ -57,16 +71,17 @@ def shard(model: nn.Module, world_size: int | None = None, example_inputs=None, 
             layout = prog.plan.params[canonical[name]]
             piece = nn.Parameter(layout.shard(p.detach(), rank), requires_grad=p.requires_grad)
             entry = shards[id(p)] = registry.Sharded(
-                layout, piece, rank, group_name,
-                compute_dtype if p.is_floating_point() else None)
+                layout, piece, rank, group_name, compute_dtype if p.is_floating_point() else None
+            )
             registry.register_shard(entry)
         owner_name, _, leaf = name.rpartition(".")
         _read_through_unshard(model.get_submodule(owner_name), leaf, entry, scale)
     return model
 
 
-def _read_through_unshard(module: nn.Module, leaf: str, entry: registry.Sharded,
-                          scale: float) -> None:
+def _read_through_unshard(
+    module: nn.Module, leaf: str, entry: registry.Sharded, scale: float
+) -> None:
     """Put `entry.shard` in `module._parameters[leaf]` and make `module.<leaf>` read its full
     weight through `rtp::unshard` (a property of a subclass made for this module)."""
     module._parameters[leaf] = entry.shard
@@ -95,8 +110,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             seen[id(p)] = entry.gather() if entry is not None else p.detach().clone()
         full[name] = seen[id(p)]
     full.update((n, b.detach().clone()) for n, b in model.named_buffers(remove_duplicate=False))
-    return to_model_state_dict(model, {k: full[k] for k in native_state_keys(model)},
-                               "full_state_dict", _full_shape)
+    return to_model_state_dict(
+        model, {k: full[k] for k in native_state_keys(model)}, "full_state_dict", _full_shape
+    )
 
 
 def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
 """RTPProgram: the plan, the rank-generic program, and what each rank needs from them."""
+
 from __future__ import annotations
 
 import functools
@@ -13,12 +14,12 @@ from rtp_compile.capture.trace import capture
 from rtp_compile.codegen.emit import RankEmitter
 from rtp_compile.compiler.mesh import place_in
 from rtp_compile.compiler.report import report
+from rtp_compile.core.retarget_meta import retarget_meta
 from rtp_compile.cost.model import rtp_cost
 from rtp_compile.cost.profile import profile_of
 from rtp_compile.passes import compile_graph
 from rtp_compile.passes.manager.context import Context, Options
 from rtp_compile.passes.plan import Plan
-from rtp_compile.core.retarget_meta import retarget_meta
 from rtp_compile.state.program_state import ProgramState, bind_state
 from rtp_compile.state.rank_tensors import rank_tensors
 
@@ -34,10 +35,10 @@ class RTPProgram:
 
     def __init__(self, ctx: Context, graph_module: fx.GraphModule):
         self.ctx = ctx
-        self.graph_module = graph_module      # rank-generic: units are markers and hops
+        self.graph_module = graph_module  # rank-generic: units are markers and hops
 
     @classmethod
-    def compile(cls, ctx: Context, gm: fx.GraphModule | None = None) -> "RTPProgram":
+    def compile(cls, ctx: Context, gm: fx.GraphModule | None = None) -> RTPProgram:
         """Run the pass pipeline for `ctx` on `gm` (default: a fresh copy of the captured
         graph), rewriting it, and make the program."""
         return cls(ctx, compile_graph(gm if gm is not None else ctx.fresh_graph(), ctx))
@@ -66,16 +67,25 @@ class RTPProgram:
     def state(self) -> ProgramState:
         """What this program's rank modules keep of it (`program_state`): the layouts, the
         buffer names and a meta skeleton of the model, never its tensors."""
-        return ProgramState(self.world_size, self.plan.params, self.ctx.buffer_names,
-                            self.ctx.model)
+        return ProgramState(
+            self.world_size, self.plan.params, self.ctx.buffer_names, self.ctx.model
+        )
 
     @property
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
 
-    def module(self, rank: int | None = None, group: dist.ProcessGroup | None = None,
-               device=None, broadcast_buffers: bool = True, *, mesh: DeviceMesh | None = None,
-               seed: int = 0, checkpoint=None) -> fx.GraphModule:
+    def module(
+        self,
+        rank: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        device=None,
+        broadcast_buffers: bool = True,
+        *,
+        mesh: DeviceMesh | None = None,
+        seed: int = 0,
+        checkpoint=None,
+    ) -> fx.GraphModule:
         """The GraphModule of `rank` (rank within `group`, default the whole job), or of this
         process's place in `mesh`.
 
@@ -97,24 +107,36 @@ class RTPProgram:
         module's own parameters are made by its initialisers, seeded from (`seed`, the module's
         name), cut to this rank's shard and freed, one module at a time, so the values are the
         same for every world size and equal `rtp_compile.materialize_full(model, seed, device)`
-        (exact semantics: `rtp_compile.state.materialize`). `checkpoint`: instead read the parameters
-        and persistent buffers from a full state_dict (a `torch.save` file, memory-mapped, a
-        `.safetensors` file or a directory of them, or a mapping), only this rank's part of each,
-        one parameter at a time; every key and shape is checked first.
+        (exact semantics: `rtp_compile.state.materialize`). `checkpoint`: instead read the
+        parameters and persistent buffers from a full state_dict (a `torch.save` file,
+        memory-mapped, a `.safetensors` file or a directory of them, or a mapping), only this
+        rank's part of each, one parameter at a time; every key and shape is checked first.
         """
         replicas = {}
         if mesh is not None:
             if rank is not None or group is not None:
-                raise ValueError("rtp_compile: pass either mesh=... or rank (and group), not both: "
-                                 "with a mesh the rank is this process's place in its last dim")
+                raise ValueError(
+                    "rtp_compile: pass either mesh=... or rank (and group), not both: "
+                    "with a mesh the rank is this process's place in its last dim"
+                )
             rank, group, replicas = place_in(mesh, self.world_size)
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"rtp_compile: rank must be an int in [0, {self.world_size}), "
-                             f"got {rank!r}")
+            raise ValueError(
+                f"rtp_compile: rank must be an int in [0, {self.world_size}), got {rank!r}"
+            )
         group_name = "" if group is None or group == dist.group.WORLD else group.group_name
         tensors = rank_tensors(self.ctx, self.graph_module, rank, device, seed, checkpoint)
-        gm = RankEmitter(self.ctx, self.graph_module, rank, group_name, device, broadcast_buffers,
-                         shards=tensors.shards, attrs=tensors.attrs, **replicas).emit()
+        gm = RankEmitter(
+            self.ctx,
+            self.graph_module,
+            rank,
+            group_name,
+            device,
+            broadcast_buffers,
+            shards=tensors.shards,
+            attrs=tensors.attrs,
+            **replicas,
+        ).emit()
         if tensors.device is not None:  # a meta model's graph, now on a real device
             retarget_meta(gm, tensors.device)
         bind_state(gm, self.state)
@@ -125,6 +147,7 @@ class RTPProgram:
         unit's steps coloured by unit (or bucket), each ring hop from its send to its wait,
         gathered ops marked (`rtp_compile.inspect.draw`; needs matplotlib). Returns the path."""
         from rtp_compile.inspect.draw import draw  # matplotlib is imported only to draw
+
         return draw(self, rank, path)
 
     def report(self) -> str:
@@ -134,23 +157,36 @@ class RTPProgram:
     def __repr__(self) -> str:
         return f"{self.report()}\n\n{self.plan}"
 
-    def for_world_size(self, world_size: int) -> "RTPProgram":
+    def for_world_size(self, world_size: int) -> RTPProgram:
         """The same model compiled for another number of ranks, without capturing it again
         (the plan can differ: padding decides which attention blocks fuse)."""
         if world_size == self.world_size:
             return self
         return RTPProgram.compile(self.ctx.for_world_size(world_size))
 
-    def cost(self, batch_size: int, seq_len: int | None = None, optimizer: str = "adamw",
-             dtype: torch.dtype | None = None, example_kwargs: dict | None = None):
+    def cost(
+        self,
+        batch_size: int,
+        seq_len: int | None = None,
+        optimizer: str = "adamw",
+        dtype: torch.dtype | None = None,
+        example_kwargs: dict | None = None,
+    ):
         """Predicted per-rank bytes of one training step on a per-rank batch (`rtp_compile.cost`):
         a `Cost` with param/grad/optimizer/transient/activation/peak/traffic bytes and their
         sympy expressions in N and A. `dtype`: the parameters' dtype if not theirs."""
-        return rtp_cost(self.plan, self.profile(batch_size, seq_len, example_kwargs),
-                        optimizer, dtype, tuple(self.ctx.buckets.values()), self.ctx.precision)
+        return rtp_cost(
+            self.plan,
+            self.profile(batch_size, seq_len, example_kwargs),
+            optimizer,
+            dtype,
+            tuple(self.ctx.buckets.values()),
+            self.ctx.precision,
+        )
 
-    def profile(self, batch_size: int, seq_len: int | None = None,
-                example_kwargs: dict | None = None):
+    def profile(
+        self, batch_size: int, seq_len: int | None = None, example_kwargs: dict | None = None
+    ):
         """What the unsharded model saves for backward on such a batch, on fake tensors."""
         return profile_of(self.ctx, batch_size, seq_len, example_kwargs)
 
@@ -177,13 +213,18 @@ class RTPProgram:
         self.state.load_full_state_dict(gm, state_dict)
 
 
-def compile_program(model: nn.Module, world_size: int, example_inputs, example_kwargs,
-                    options: Options) -> RTPProgram:
+def compile_program(
+    model: nn.Module, world_size: int, example_inputs, example_kwargs, options: Options
+) -> RTPProgram:
     """Capture `model` and run the pass pipeline: `transform` once its options are checked, and
     what an unpickled program runs again (`RTPProgram.__reduce__`)."""
     policy = options.mp_policy
-    captured = capture(model, example_inputs, example_kwargs,
-                       compute_dtype=None if policy is None else policy.param_dtype,
-                       cast_inputs=policy is None or policy.cast_forward_inputs)
+    captured = capture(
+        model,
+        example_inputs,
+        example_kwargs,
+        compute_dtype=None if policy is None else policy.param_dtype,
+        cast_inputs=policy is None or policy.cast_forward_inputs,
+    )
     ctx = Context.of(captured, world_size, options)
     return RTPProgram.compile(ctx, captured.gm)

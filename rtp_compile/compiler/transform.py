@@ -1,17 +1,30 @@
 """`transform`: capture a model, run the pass pipeline for a world size, make the program."""
+
 from __future__ import annotations
 
 from torch import nn
 
-from rtp_compile.passes.manager.context import Options
 from rtp_compile.compiler.program import RTPProgram, compile_program
+from rtp_compile.passes.manager.context import Options
 
 
-def transform(model: nn.Module, world_size: int, example_inputs=None, *, example_kwargs=None,
-              grad_reduction: str = "mean", fuse: bool = True, fuse_padding: float = 0.02,
-              small_param_bytes: int = 65536, max_bytes_in_flight: int | None = None,
-              bucket_bytes: int | None = None, mp_policy=None, disable=(),
-              debug: bool = False, fixed_layouts=()) -> RTPProgram:
+def transform(
+    model: nn.Module,
+    world_size: int,
+    example_inputs=None,
+    *,
+    example_kwargs=None,
+    grad_reduction: str = "mean",
+    fuse: bool = True,
+    fuse_padding: float = 0.02,
+    small_param_bytes: int = 65536,
+    max_bytes_in_flight: int | None = None,
+    bucket_bytes: int | None = None,
+    mp_policy=None,
+    disable=(),
+    debug: bool = False,
+    fixed_layouts=(),
+) -> RTPProgram:
     """Compile `model` for `world_size` ranks; needs no process group.
 
     Without example inputs the model is traced with torch.fx (or exported with the
@@ -44,6 +57,15 @@ def transform(model: nn.Module, world_size: int, example_inputs=None, *, example
     (`rtp_compile.passes.PIPELINE`). `debug`: log each pass's graph diff at INFO through
     `logging.getLogger("rtp_compile")` and keep its code before and after in `prog.pass_log`."""
     disable = tuple(disable) + (() if fuse else ("fuse_blocks",))
-    options = Options(grad_reduction, fuse_padding, small_param_bytes, max_bytes_in_flight,
-                      bucket_bytes, disable, debug, mp_policy, fixed_layouts)
+    options = Options(
+        grad_reduction,
+        fuse_padding,
+        small_param_bytes,
+        max_bytes_in_flight,
+        bucket_bytes,
+        disable,
+        debug,
+        mp_policy,
+        fixed_layouts,
+    )
     return compile_program(model, world_size, example_inputs, example_kwargs, options)

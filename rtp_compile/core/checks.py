@@ -1,4 +1,5 @@
 """Checks of what users hand the public entry points, shared by them."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -9,4 +10,3 @@ def check_world_size(world_size: Any, where: str) -> int:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"{where}: world_size must be an int >= 1, got {world_size!r}")
     return world_size
-

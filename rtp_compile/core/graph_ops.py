@@ -3,6 +3,7 @@ BatchNorm module's forward as a function, and the per-shard cut of an operand of
 
 The passes write calls to them into the graph; they run inside every rank's module.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,11 +17,13 @@ def one_call_when_traced(fn):
     """`fn` called on an fx.Proxy first argument (a rank's graph traced, or an unpickled module
     re-traced) records one call of `fn` in the graph, decided at run time, instead of tracing
     into its body."""
+
     @functools.wraps(fn)
     def call(first, *args):
         if isinstance(first, fx.Proxy):
             return first.tracer.create_proxy("call_function", call, (first, *args), {})
         return fn(first, *args)
+
     return call
 
 
@@ -37,8 +40,18 @@ def affine(x: torch.Tensor, weight, bias, dim: int) -> torch.Tensor:
     return y if bias is None else y + bias
 
 
-def batch_norm_module(x, running_mean, running_var, num_batches_tracked, weight, bias,
-                      training: bool, momentum, eps: float, track_running_stats: bool):
+def batch_norm_module(
+    x,
+    running_mean,
+    running_var,
+    num_batches_tracked,
+    weight,
+    bias,
+    training: bool,
+    momentum,
+    eps: float,
+    track_running_stats: bool,
+):
     """nn.BatchNorm*'s forward as a function of its tensors and flags."""
     factor = 0.0 if momentum is None else momentum
     if training and track_running_stats and num_batches_tracked is not None:
@@ -46,9 +59,16 @@ def batch_norm_module(x, running_mean, running_var, num_batches_tracked, weight,
         factor = 1.0 / float(num_batches_tracked) if momentum is None else momentum
     use_batch_stats = training or (running_mean is None and running_var is None)
     keep_stats = not training or track_running_stats
-    return F.batch_norm(x, running_mean if keep_stats else None,
-                        running_var if keep_stats else None, weight, bias,
-                        use_batch_stats, factor, eps)
+    return F.batch_norm(
+        x,
+        running_mean if keep_stats else None,
+        running_var if keep_stats else None,
+        weight,
+        bias,
+        use_batch_stats,
+        factor,
+        eps,
+    )
 
 
 @one_call_when_traced
@@ -57,12 +77,16 @@ def head_slice(t, dim: int, start: int, length: int, full: int, rank):
     has no extent there, this shard's part when it has the full extent, else an error."""
     if not isinstance(t, torch.Tensor) or t.dim() < -dim or t.shape[dim] == 1:
         if isinstance(t, torch.Tensor) and rank is not None and t.dim() > rank:
-            raise RuntimeError(f"rtp_compile: an operand of a fused block has {t.dim()} dims, "
-                               f"more than the {rank} the block was planned for")
+            raise RuntimeError(
+                f"rtp_compile: an operand of a fused block has {t.dim()} dims, "
+                f"more than the {rank} the block was planned for"
+            )
         return t
     if t.shape[dim] != full:
-        raise RuntimeError(f"rtp_compile: an operand of a fused block has extent {t.shape[dim]} "
-                           f"on the head axis (dim {dim}), neither 1 nor {full}")
+        raise RuntimeError(
+            f"rtp_compile: an operand of a fused block has extent {t.shape[dim]} "
+            f"on the head axis (dim {dim}), neither 1 nor {full}"
+        )
     return t.narrow(dim, start, length)
 
 
@@ -72,10 +96,13 @@ def add_into(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     its storage, it takes no gradient, and the sum keeps its shape and dtype (a unit's running
     sum of its step outputs, computed outside autograd); else a new tensor. Bitwise the same
     either way. In a compiled graph a new tensor: the compiler plans the memory itself."""
-    if not torch.compiler.is_compiling() and not total.requires_grad \
-            and total.shape == torch.broadcast_shapes(total.shape, part.shape) \
-            and total.dtype == torch.result_type(total, part) \
-            and torch._C._storage_Use_Count(total.untyped_storage()._cdata) <= 2:
+    if (
+        not torch.compiler.is_compiling()
+        and not total.requires_grad
+        and total.shape == torch.broadcast_shapes(total.shape, part.shape)
+        and total.dtype == torch.result_type(total, part)
+        and torch._C._storage_Use_Count(total.untyped_storage()._cdata) <= 2
+    ):
         return total.add_(part)
     return total + part
 
@@ -92,7 +119,8 @@ def expect_dtype(x, dtype: torch.dtype, unit: str, what: str):
             f"upcast, a {x.dtype} buffer, or a model input left uncast by "
             f"cast_forward_inputs=False), and a linear or conv needs its input in its weights' "
             f"dtype, as under FSDP2. Cast the input to {dtype} in the model, or compile without "
-            f"mp_policy.param_dtype.")
+            f"mp_policy.param_dtype."
+        )
     return x
 
 
@@ -101,4 +129,5 @@ def cast_floating(value, dtype: torch.dtype):
     """`value` with every floating-point tensor in it cast to `dtype` (FSDP2's cast of a
     module's inputs and outputs under its MixedPrecisionPolicy); other values as they are."""
     return torch.utils._pytree.tree_map_only(
-        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value
+    )

@@ -6,6 +6,7 @@ capture leaves on a node computed inside an activation checkpoint.
 
 The words are string enums: a member equals, hashes and prints as its value, so tables and
 reports read as before and a value read back from a string (a test, a user) compares equal."""
+
 from __future__ import annotations
 
 import enum
@@ -26,47 +27,52 @@ class Word(str, enum.Enum):
 
 class UnitKind(Word):
     """What a unit of the plan does with its weights each step."""
-    ROTATE = "rotate"    # one op whose shards rotate around the ring, one step per shard
-    FUSED = "fused"      # a block (MLP, attention) rotated as one unit
-    GATHER = "gather"    # an op that cannot compute on a shard: its weights gathered whole
-    SMALL = "small"      # tiny elementwise parameters, all gathered in one message per hop
+
+    ROTATE = "rotate"  # one op whose shards rotate around the ring, one step per shard
+    FUSED = "fused"  # a block (MLP, attention) rotated as one unit
+    GATHER = "gather"  # an op that cannot compute on a shard: its weights gathered whole
+    SMALL = "small"  # tiny elementwise parameters, all gathered in one message per hop
 
 
 class Split(Word):
     """How a rotated linear-like op cuts its weight: along its outputs or its inputs."""
-    COL = "col"    # column parallel: each shard gives some output features (concatenated)
-    ROW = "row"    # row parallel: each shard reads some input features (summed)
+
+    COL = "col"  # column parallel: each shard gives some output features (concatenated)
+    ROW = "row"  # row parallel: each shard reads some input features (summed)
 
 
 class CombineMode(Word):
     """How a unit's step outputs form its output."""
-    CAT = "cat"    # concatenated along a dim, in shard order
-    SUM = "sum"    # summed, in step order
+
+    CAT = "cat"  # concatenated along a dim, in shard order
+    SUM = "sum"  # summed, in step order
 
 
 class RewriteKind(Word):
     """What a cut-axis rewrite does to a region node's size or operand."""
-    SIZE = "size"      # a full extent becomes the shard's groups x size / G
-    SLICE = "slice"    # an operand narrowed to the shard's groups along a dim
-    CHECK = "check"    # an operand of unknown shape: sliced or broadcast at run time
+
+    SIZE = "size"  # a full extent becomes the shard's groups x size / G
+    SLICE = "slice"  # an operand narrowed to the shard's groups along a dim
+    CHECK = "check"  # an operand of unknown shape: sliced or broadcast at run time
 
 
 class Action(Word):
     """What a node of a unit does (its label's action) or what a schedule event does."""
-    START = "start"                # forward: start the hop of the next step's shards
-    COMPUTE = "compute"            # forward: one step on the shard held
-    WAIT = "wait"                  # forward: wait for that hop
-    COMBINE = "combine"            # the steps' outputs combined
-    DETACH = "detach"              # a unit's own shards and input taken out of autograd
-    BUCKET = "bucket"              # a bucket's parameters passed through its runtime
-    FETCH_START = "fetch_start"    # backward: start re-fetching the next step's weights
-    FETCH_WAIT = "fetch_wait"      # backward: wait for them
-    RELEASE = "release"            # backward: free a fetched buffer
-    INPUT_GRAD = "input_grad"      # backward: a step's input gradient
+
+    START = "start"  # forward: start the hop of the next step's shards
+    COMPUTE = "compute"  # forward: one step on the shard held
+    WAIT = "wait"  # forward: wait for that hop
+    COMBINE = "combine"  # the steps' outputs combined
+    DETACH = "detach"  # a unit's own shards and input taken out of autograd
+    BUCKET = "bucket"  # a bucket's parameters passed through its runtime
+    FETCH_START = "fetch_start"  # backward: start re-fetching the next step's weights
+    FETCH_WAIT = "fetch_wait"  # backward: wait for them
+    RELEASE = "release"  # backward: free a fetched buffer
+    INPUT_GRAD = "input_grad"  # backward: a step's input gradient
     RECEIVE_GRAD = "receive_grad"  # backward: wait for the gradient accumulator
-    WEIGHT_GRAD = "weight_grad"    # backward: a step's weight gradients into the accumulator
-    PASS = "pass"                  # backward: pass the accumulator on
-    DONE = "done"                  # backward: a fused unit's gradients complete
+    WEIGHT_GRAD = "weight_grad"  # backward: a step's weight gradients into the accumulator
+    PASS = "pass"  # backward: pass the accumulator on
+    DONE = "done"  # backward: a fused unit's gradients complete
     # a unit's marker and autograd link are labelled with the unit's kind (`UnitKind`)
 
 
@@ -76,6 +82,7 @@ class NodeLabel:
     the step (None: the unit's marker or link) and action; `units`: the small parameters'
     marker lists the units it serves; a hop's message (`tag`, `dtype`, `bytes`), its `bucket`,
     and whether it was moved before the previous unit's last step (`prefetched`)."""
+
     unit: str
     step: int | None
     action: Action | UnitKind
@@ -123,41 +130,52 @@ def checkpoint_region(node: fx.Node) -> int | None:
 
 def rotated_op(name: str, x, *params):
     """Marker of a rotated op in the rank-generic graph; codegen unrolls it for a rank."""
-    raise RuntimeError(f"rotation unit {name!r} belongs to the rank-generic program: run the "
-                       "module of a rank, prog.module(rank), not prog.graph")
+    raise RuntimeError(
+        f"rotation unit {name!r} belongs to the rank-generic program: run the "
+        "module of a rank, prog.module(rank), not prog.graph"
+    )
 
 
 def fused_block(name: str, x, *params_then_externals):
     """Marker of a fused block in the rank-generic graph; codegen unrolls it for a rank."""
-    raise RuntimeError(f"fused block {name!r} belongs to the rank-generic program: run the "
-                       "module of a rank, prog.module(rank), not prog.graph")
+    raise RuntimeError(
+        f"fused block {name!r} belongs to the rank-generic program: run the "
+        "module of a rank, prog.module(rank), not prog.graph"
+    )
 
 
 def gathered_op(name: str, *inputs):
     """Marker of a gathered op in the rank-generic graph; codegen calls its GatheredOpRuntime."""
-    raise RuntimeError(f"gathered op {name!r} belongs to the rank-generic program: run the "
-                       "module of a rank, prog.module(rank), not prog.graph")
+    raise RuntimeError(
+        f"gathered op {name!r} belongs to the rank-generic program: run the "
+        "module of a rank, prog.module(rank), not prog.graph"
+    )
 
 
 def gathered_small(*params):
     """Marker of the small parameters gathered once per step (all of them, in one message per
     hop); codegen calls the runtime that gathers them and returns them whole."""
-    raise RuntimeError("the small parameters belong to the rank-generic program: run the module "
-                       "of a rank, prog.module(rank), not prog.graph")
+    raise RuntimeError(
+        "the small parameters belong to the rank-generic program: run the module "
+        "of a rank, prog.module(rank), not prog.graph"
+    )
 
 
 def bucket_params(name: str, *own):
     """Marker: bucket `name`'s parameters pass through its runtime before its units read them
     (its backward reduce-scatters the bucket's gradients, `runtime.bucket`)."""
-    raise RuntimeError(f"bucket {name!r} belongs to the rank-generic program: run "
-                       "prog.module(rank)")
+    raise RuntimeError(
+        f"bucket {name!r} belongs to the rank-generic program: run prog.module(rank)"
+    )
 
 
 def unit_step(name: str, step: int, x, *held_then_externals):
     """Marker of forward step `step` of unit `name`; codegen traces the step for the shard the
     rank holds then."""
-    raise RuntimeError(f"unit {name!r} belongs to the rank-generic program: run the module of a "
-                       "rank, prog.module(rank), not prog.graph")
+    raise RuntimeError(
+        f"unit {name!r} belongs to the rank-generic program: run the module of a "
+        "rank, prog.module(rank), not prog.graph"
+    )
 
 
 def unit_combine(name: str, parts):

@@ -5,6 +5,7 @@ readers that cut checkpoints.
 `Slot(offset, valid, length)` locates shard s inside the full parameter along its shard dim:
 the shard tensor is always `length` long there, only its first `valid` entries are real.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,6 +18,7 @@ import torch
 @dataclass(frozen=True)
 class Slot:
     """Where shard s sits in the full parameter along the shard dim (`length`: padded size)."""
+
     offset: int
     valid: int
     length: int
@@ -30,18 +32,20 @@ def real_part(t: torch.Tensor, dim: int, slot: Slot) -> torch.Tensor:
 @dataclass(frozen=True)
 class ParamLayout:
     """How one parameter is cut into N equal (padded) shards; shard s lives on rank s."""
+
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     world_size: int
-    dim: int | None                      # None: the flattened parameter is cut
+    dim: int | None  # None: the flattened parameter is cut
     aliases: tuple[str, ...] = ()
-    granule: int = 1                     # shards hold whole granules (an attention head group)
+    granule: int = 1  # shards hold whole granules (an attention head group)
 
     def __post_init__(self):
         if self.dim is not None and self.extent % self.granule:
-            raise ValueError(f"{self.name}: extent {self.extent} is not a multiple of its "
-                             f"granule {self.granule}")
+            raise ValueError(
+                f"{self.name}: extent {self.extent} is not a multiple of its granule {self.granule}"
+            )
 
     @property
     def extent(self) -> int:
@@ -56,7 +60,7 @@ class ParamLayout:
     def shard_shape(self) -> tuple[int, ...]:
         if self.dim is None:
             return (self.shard_len,)
-        return self.shape[:self.dim] + (self.shard_len,) + self.shape[self.dim + 1:]
+        return self.shape[: self.dim] + (self.shard_len,) + self.shape[self.dim + 1 :]
 
     @property
     def shard_bytes(self) -> int:

@@ -17,6 +17,7 @@ An elementwise op may read its parameter through a chain (`w.to(x.dtype)`, `1 + 
 `w.view(1, 1, -1)`): `OpCall.options` then holds the steps (`Step`) and the shape the op sees,
 and the rule applies them to each shard's real part; its gradient goes back through them.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,14 +27,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rtp_compile.core.graph_ops import affine
 from rtp_compile.core.ir import CombineMode, Split
 from rtp_compile.core.layout import Slot, real_part
-from rtp_compile.core.graph_ops import affine
 
 
 @dataclass(frozen=True)
 class Combine:
     """How step outputs form the op's output: concatenated along `dim`, or summed."""
+
     how: CombineMode
     dim: int = -1
 
@@ -41,9 +43,10 @@ class Combine:
 @dataclass
 class OpCall:
     """A weight-bearing node seen through its rule: the activation, the parameters by role."""
-    rule: "Rule"
-    input: Any                       # name of the activation node the op consumes
-    params: dict[str, str]           # role ("weight", "bias") -> parameter name
+
+    rule: Rule
+    input: Any  # name of the activation node the op consumes
+    params: dict[str, str]  # role ("weight", "bias") -> parameter name
     options: dict = field(default_factory=dict)
     # what the parameter chain reads at run time, as (node name, attribute or None): the dtype
     # of `w.to(x.dtype)` or `w.type_as(x)`; the unit's marker carries their values
@@ -57,6 +60,7 @@ class OpCall:
 @dataclass(frozen=True)
 class External:
     """An argument of a `Step` known only at run time: the value of the call's external `index`."""
+
     index: int
 
 
@@ -65,10 +69,11 @@ class Step:
     """One op between a parameter's read and its elementwise use, as the graph calls it:
     `target` (a function, or a tensor method's name) with the parameter so far inserted into
     `args` at `param_at`; `External`s in `args` / `kwargs` are read at run time."""
+
     target: Any
     param_at: int
     args: tuple = ()
-    kwargs: tuple = ()               # (name, value) pairs
+    kwargs: tuple = ()  # (name, value) pairs
 
     def __call__(self, w, externals=()):
         value = lambda a: externals[a.index] if isinstance(a, External) else a  # noqa: E731
@@ -82,6 +87,7 @@ class Step:
 
 class Rule:
     """Base of the op rules: subclasses fill in modes, combine and the two step functions."""
+
     name = "rule"
 
     def modes(self, shapes: dict[str, tuple], options: dict) -> dict[str, dict[str, int]]:
@@ -111,12 +117,12 @@ def _flat2d(t: torch.Tensor) -> torch.Tensor:
 
 class LinearRule(Rule):
     """y = x Wᵀ + b (W stored [out, in]) or y = x W + b (`transposed`: W stored [in, out])."""
+
     name = "linear"
 
     def modes(self, shapes, options):
         out_dim, in_dim = (1, 0) if options.get("transposed") else (0, 1)
-        return {Split.COL: {"weight": out_dim, "bias": 0},
-                Split.ROW: {"weight": in_dim, "bias": 0}}
+        return {Split.COL: {"weight": out_dim, "bias": 0}, Split.ROW: {"weight": in_dim, "bias": 0}}
 
     def combine(self, mode, options, shapes):
         return Combine(CombineMode.CAT, -1) if mode == Split.COL else Combine(CombineMode.SUM)
@@ -129,8 +135,9 @@ class LinearRule(Rule):
 
     def forward_step(self, mode, options, x, shards, slots, shapes):
         if mode == Split.COL:
-            w = self.weight_as_out_in(options, shards["weight"], self.weight_dim(mode, options),
-                                      slots["weight"])
+            w = self.weight_as_out_in(
+                options, shards["weight"], self.weight_dim(mode, options), slots["weight"]
+            )
             b = real_part(shards["bias"], 0, slots["bias"]) if "bias" in shards else None
             return F.linear(x, w, b)
         ws = slots["weight"]
@@ -142,8 +149,9 @@ class LinearRule(Rule):
 
     def row_partial(self, options, x_part, shards, slots, shapes):
         """Row split, given the input's slice for this shard: x_s W_sᵀ (+ the bias in its slot)."""
-        w = self.weight_as_out_in(options, shards["weight"], self.weight_dim(Split.ROW, options),
-                                  slots["weight"])
+        w = self.weight_as_out_in(
+            options, shards["weight"], self.weight_dim(Split.ROW, options), slots["weight"]
+        )
         y = F.linear(x_part, w)
         if "bias" in shards:
             y = y + _bias_in_slot(shards["bias"], slots["bias"], shapes["bias"][0])
@@ -191,12 +199,12 @@ def _bias_in_slot(bias_shard, slot: Slot, total: int):
 
 class ConvRule(Rule):
     """torch.convolution with groups=1: out-channel split (concat) or in-channel split (sum)."""
+
     name = "conv"
 
     def modes(self, shapes, options):
         out_dim, in_dim = (1, 0) if options["transposed"] else (0, 1)
-        return {Split.COL: {"weight": out_dim, "bias": 0},
-                Split.ROW: {"weight": in_dim, "bias": 0}}
+        return {Split.COL: {"weight": out_dim, "bias": 0}, Split.ROW: {"weight": in_dim, "bias": 0}}
 
     def combine(self, mode, options, shapes):
         return Combine(CombineMode.CAT, 1) if mode == Split.COL else Combine(CombineMode.SUM)
@@ -214,8 +222,11 @@ class ConvRule(Rule):
                 return None  # an all-padding shard adds no output channel
             b = real_part(shards["bias"], 0, slots["bias"]) if "bias" in shards else None
             return torch.convolution(x, w, b, *self._args(options))
-        y = None if ws.valid == 0 else torch.convolution(
-            x.narrow(1, ws.offset, ws.valid), w, None, *self._args(options))
+        y = (
+            None
+            if ws.valid == 0
+            else torch.convolution(x.narrow(1, ws.offset, ws.valid), w, None, *self._args(options))
+        )
         if "bias" in shards and slots["bias"].valid:
             bias = _bias_in_slot(shards["bias"], slots["bias"], shapes["bias"][0])
             bias = bias.view([-1] + [1] * len(options["stride"]))
@@ -235,16 +246,18 @@ class ConvRule(Rule):
         if slots["weight"].valid == 0:
             return
         g, inp, w = self._operands(mode, options, dy, x, shards, slots, shapes)
-        gx = torch.ops.aten.convolution_backward(g, inp, w, None, *self._args(options),
-                                                 [True, False, False])[0]
+        gx = torch.ops.aten.convolution_backward(
+            g, inp, w, None, *self._args(options), [True, False, False]
+        )[0]
         ws = slots["weight"]
         (dx if mode == Split.COL else dx.narrow(1, ws.offset, ws.valid)).add_(gx)
 
     def weight_grads(self, mode, options, dy, x, shards, slots, shapes, into):
         if slots["weight"].valid:
             g, inp, w = self._operands(mode, options, dy, x, shards, slots, shapes)
-            gw = torch.ops.aten.convolution_backward(g, inp, w, None, *self._args(options),
-                                                     [False, True, False])[1]
+            gw = torch.ops.aten.convolution_backward(
+                g, inp, w, None, *self._args(options), [False, True, False]
+            )[1]
             into["weight"].add_(gw)
         if "bias" in into:
             spatial = [d for d in range(dy.dim()) if d != 1]
@@ -254,6 +267,7 @@ class ConvRule(Rule):
 
 class EmbeddingRule(Rule):
     """e = W[idx], split along the embedding dim (dim 1 of W)."""
+
     name = "embedding"
 
     def modes(self, shapes, options):
@@ -271,9 +285,15 @@ class EmbeddingRule(Rule):
     def weight_grads(self, mode, options, dy, x, shards, slots, shapes, into):
         ws = slots["weight"]
         padding_idx = options.get("padding_idx")
-        into["weight"].add_(torch.ops.aten.embedding_dense_backward(
-            dy.narrow(-1, ws.offset, ws.valid), x, shapes["weight"][0],
-            -1 if padding_idx is None else padding_idx, options.get("scale_grad_by_freq", False)))
+        into["weight"].add_(
+            torch.ops.aten.embedding_dense_backward(
+                dy.narrow(-1, ws.offset, ws.valid),
+                x,
+                shapes["weight"][0],
+                -1 if padding_idx is None else padding_idx,
+                options.get("scale_grad_by_freq", False),
+            )
+        )
 
 
 class ElementwiseRule(Rule):
@@ -283,14 +303,18 @@ class ElementwiseRule(Rule):
     read through a chain: options["shape"], the shape the op sees (the parameter's with size-1
     dims added or dropped), and options["chains"][role], the `Step`s applied after that view.
     """
+
     name = "elementwise"
 
     def modes(self, shapes, options):
         shape = next(iter(shapes.values()))
         if options["dim"] >= 0:
             return {"dim0": {role: 0 for role in shapes}}
-        return {f"dim{d}": {role: d for role in shapes} for d in reversed(range(len(shape)))
-                if shape[d] > 1}
+        return {
+            f"dim{d}": {role: d for role in shapes}
+            for d in reversed(range(len(shape)))
+            if shape[d] > 1
+        }
 
     def combine(self, mode, options, shapes):
         return Combine(CombineMode.CAT, self._mode_dims(mode, options, shapes)[1])
@@ -318,14 +342,19 @@ class ElementwiseRule(Rule):
         its chain."""
         if "shape" in options:
             sdim, seen = self._seen_dim(options, shapes[role], pdim)
-            w = w.reshape(seen[:sdim] + (valid,) + seen[sdim + 1:])
+            w = w.reshape(seen[:sdim] + (valid,) + seen[sdim + 1 :])
         for step in options.get("chains", {}).get(role, ()):
             w = step(w, options.get("externals", ()))
         return w
 
     def _params(self, pdim, slot, shards, options, shapes):
-        return {role: self._seen(role, real_part(shards[role], pdim, slot), pdim, slot.valid,
-                                 options, shapes) for role in ("weight", "bias") if role in shards}
+        return {
+            role: self._seen(
+                role, real_part(shards[role], pdim, slot), pdim, slot.valid, options, shapes
+            )
+            for role in ("weight", "bias")
+            if role in shards
+        }
 
     def forward_step(self, mode, options, x, shards, slots, shapes):
         pdim, xdim = self._mode_dims(mode, options, shapes)
@@ -337,8 +366,13 @@ class ElementwiseRule(Rule):
     def _step_operands(self, mode, options, dy, x, slots, shapes):
         pdim, xdim = self._mode_dims(mode, options, shapes)
         slot = next(iter(slots.values()))
-        return pdim, xdim, slot, x.narrow(xdim, slot.offset, slot.valid), \
-            dy.narrow(xdim, slot.offset, slot.valid)
+        return (
+            pdim,
+            xdim,
+            slot,
+            x.narrow(xdim, slot.offset, slot.valid),
+            dy.narrow(xdim, slot.offset, slot.valid),
+        )
 
     def input_grad(self, mode, options, dy, x, shards, slots, shapes, dx):
         pdim, xdim, slot, x_s, dy_s = self._step_operands(mode, options, dy, x, slots, shapes)
@@ -366,5 +400,6 @@ class ElementwiseRule(Rule):
             into[role].add_(torch.autograd.grad(seen, w, reduced(g, seen).to(seen.dtype))[0])
 
 
-RULES: dict[str, Rule] = {r.name: r for r in (LinearRule(), ConvRule(), EmbeddingRule(),
-                                              ElementwiseRule())}
+RULES: dict[str, Rule] = {
+    r.name: r for r in (LinearRule(), ConvRule(), EmbeddingRule(), ElementwiseRule())
+}

@@ -7,6 +7,7 @@ cost profiler's copy of the captured graph (on fake cpu tensors) are retargeted 
 Invariant: afterwards no node of the graph, nor of the graph modules it calls, names the meta
 device.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,13 +29,15 @@ def retarget_meta(gm: fx.GraphModule, device: torch.device) -> None:
     tensors (`arange(..., device=meta)`, `.to(meta)`): point
     those at `device`, in `gm` and in the graph modules it calls (replaced by retargeted copies,
     as the program shares them between ranks)."""
+
     def rewrite(graph: fx.Graph) -> bool:
         changed = False
         for node in graph.nodes:
             args = fx.node.map_aggregate(node.args, lambda a: _on_target(a, device))
-            kwargs = {k: fx.node.map_aggregate(v, lambda a, k=k: _on_target(a, device,
-                                                                            k == "device"))
-                      for k, v in node.kwargs.items()}
+            kwargs = {
+                k: fx.node.map_aggregate(v, lambda a, k=k: _on_target(a, device, k == "device"))
+                for k, v in node.kwargs.items()
+            }
             if args != node.args or kwargs != node.kwargs:
                 node.args, node.kwargs, changed = args, kwargs, True
         return changed

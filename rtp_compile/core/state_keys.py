@@ -1,4 +1,5 @@
 """The names a model's tensors go by inside rtp_compile (its *native* keys)."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -11,7 +12,9 @@ def native_state_keys(model: nn.Module) -> list[str]:
     for prefix, module in model.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
         keys += [dot + n for n, p in module._parameters.items() if p is not None]
-        keys += [dot + n for n, b in module._buffers.items()
-                 if b is not None and n not in module._non_persistent_buffers_set]
+        keys += [
+            dot + n
+            for n, b in module._buffers.items()
+            if b is not None and n not in module._non_persistent_buffers_set
+        ]
     return keys
-

@@ -1,5 +1,6 @@
 """A part of a graph copied out as a graph of its own: what a gathered op or a fused block's
 region runs on its inputs (`rotate`'s bodies)."""
+
 from __future__ import annotations
 
 import copy
@@ -7,8 +8,13 @@ import copy
 import torch.fx as fx
 
 
-def extract_graph(inputs: list[tuple[fx.Node, str]], nodes: list[fx.Node], output: fx.Node,
-                  graph: fx.Graph | None = None, edit=None) -> fx.Graph:
+def extract_graph(
+    inputs: list[tuple[fx.Node, str]],
+    nodes: list[fx.Node],
+    output: fx.Node,
+    graph: fx.Graph | None = None,
+    edit=None,
+) -> fx.Graph:
     """A graph that takes `inputs` (nodes of the source graph, each as a placeholder of the
     given name), computes copies of `nodes` (in order) and returns `output`'s copy.
 

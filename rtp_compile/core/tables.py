@@ -1,4 +1,5 @@
 """Plain-text tables for the plan, the cost model, the demo and the benchmarks."""
+
 from __future__ import annotations
 
 

@@ -13,6 +13,7 @@ Invariant: `param_bytes`, `grad_bytes`, `optimizer_bytes` and `traffic_bytes` eq
 emitted programs allocate and send (tests measure them); the peak is a model (tests hold it
 within 10% of MemTracker's).
 """
+
 from __future__ import annotations
 
 import math
@@ -27,12 +28,13 @@ from rtp_compile.runtime.precision import Precision
 
 N, A = sympy.symbols("N A", positive=True, integer=True)
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1}
-_POWERS_OF_TWO = [2 ** k for k in range(11)]
+_POWERS_OF_TWO = [2**k for k in range(11)]
 
 
 @dataclass
 class Cost:
     """Per-rank bytes of one training step (`expressions`: the same as sympy in N and A)."""
+
     kind: str
     world_size: int
     param_bytes: int
@@ -44,21 +46,35 @@ class Cost:
     traffic_bytes: int
     expressions: dict[str, sympy.Expr] = field(default_factory=dict, repr=False)
 
-    FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes", "transient_bytes",
-              "activation_bytes", "peak_bytes", "traffic_bytes")
+    FIELDS = (
+        "param_bytes",
+        "grad_bytes",
+        "optimizer_bytes",
+        "transient_bytes",
+        "activation_bytes",
+        "peak_bytes",
+        "traffic_bytes",
+    )
 
-    def at(self, world_size: int) -> "Cost":
+    def at(self, world_size: int) -> Cost:
         """These expressions evaluated for another number of ranks: the same plan with
         shards of that size (`prog.for_world_size(n).cost(...)` plans for n itself)."""
         return _evaluate(self.kind, world_size, self.expressions, self.activation_bytes)
 
     def __str__(self) -> str:
-        rows = [(f.removesuffix("_bytes"), f"{getattr(self, f) / 2 ** 20:,.2f}",
-                 str(self.expressions.get(f, ""))) for f in self.FIELDS]
+        rows = [
+            (
+                f.removesuffix("_bytes"),
+                f"{getattr(self, f) / 2**20:,.2f}",
+                str(self.expressions.get(f, "")),
+            )
+            for f in self.FIELDS
+        ]
         width = [max(len(r[i]) for r in rows) for i in range(2)]
         head = f"{self.kind} cost per rank, N={self.world_size} (MiB; A = activation bytes)"
-        return "\n".join([head] + [f"  {a.ljust(width[0])}  {b.rjust(width[1])}   {c}"
-                                   for a, b, c in rows])
+        return "\n".join(
+            [head] + [f"  {a.ljust(width[0])}  {b.rjust(width[1])}   {c}" for a, b, c in rows]
+        )
 
 
 # -- the three kinds of parallelism ----------------------------------------------------------
@@ -75,13 +91,19 @@ def _layout_expr(layout, element: int) -> sympy.Expr:
 
 def _optimizer_states(optimizer: str) -> int:
     if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"rtp_compile.cost: optimizer must be one of {sorted(OPTIMIZER_STATES)}, "
-                         f"got {optimizer!r}")
+        raise ValueError(
+            f"rtp_compile.cost: optimizer must be one of {sorted(OPTIMIZER_STATES)}, "
+            f"got {optimizer!r}"
+        )
     return OPTIMIZER_STATES[optimizer]
 
 
-def _curve(profile: Profile, grad_of: dict[str, sympy.Expr], buffers_at: dict[int, sympy.Expr],
-           backward: bool) -> sympy.Expr:
+def _curve(
+    profile: Profile,
+    grad_of: dict[str, sympy.Expr],
+    buffers_at: dict[int, sympy.Expr],
+    backward: bool,
+) -> sympy.Expr:
     """Max over the points of a forward (activations saved so far) or backward (activations not
     yet freed + gradients already produced), plus the buffers the op at that point has in flight.
 
@@ -95,8 +117,9 @@ def _curve(profile: Profile, grad_of: dict[str, sympy.Expr], buffers_at: dict[in
         produced_at.setdefault(point, []).append(name)
 
     def numbers(e) -> list[float]:
-        return [float(e.subs(N, n)) if isinstance(e, sympy.Expr) else float(e)
-                for n in _POWERS_OF_TWO]
+        return [
+            float(e.subs(N, n)) if isinstance(e, sympy.Expr) else float(e) for n in _POWERS_OF_TWO
+        ]
 
     grad_numbers = {name: numbers(e) for name, e in grad_of.items()}
     buffer_numbers = {e: numbers(e) for e in set(buffers_at.values())}
@@ -109,12 +132,17 @@ def _curve(profile: Profile, grad_of: dict[str, sympy.Expr], buffers_at: dict[in
         held = buffer_numbers[buffers_at[i]] if i in buffers_at else zero
         extra_numbers[i] = [g + h for g, h in zip(grads, held)]
     # the maximum is sought numerically; only the points that win for some N get expressions
-    keep = {max(extra_numbers, key=lambda i: cumulative[i] + extra_numbers[i][k])
-            for k in range(len(_POWERS_OF_TWO))}
+    keep = {
+        max(extra_numbers, key=lambda i: cumulative[i] + extra_numbers[i][k])
+        for k in range(len(_POWERS_OF_TWO))
+    }
 
     def extra(i) -> sympy.Expr:
-        produced = [grad_of.get(name, 0) for p, names in produced_at.items() if p >= i
-                    for name in names] if backward else []
+        produced = (
+            [grad_of.get(name, 0) for p, names in produced_at.items() if p >= i for name in names]
+            if backward
+            else []
+        )
         return sympy.Add(*produced) + buffers_at.get(i, 0)
 
     scale = A / max(profile.activation_bytes, 1)  # activations enter as a share of A
@@ -132,8 +160,12 @@ def _buffers_at(units: list[tuple[set[int], sympy.Expr]]) -> dict:
 
 
 def _evaluate(kind, world_size, exprs, activation_bytes) -> Cost:
-    values = {f: int(sympy.ceiling(e.subs({N: world_size, A: activation_bytes})))
-              if isinstance(e, sympy.Expr) else int(e) for f, e in exprs.items()}
+    values = {
+        f: int(sympy.ceiling(e.subs({N: world_size, A: activation_bytes})))
+        if isinstance(e, sympy.Expr)
+        else int(e)
+        for f, e in exprs.items()
+    }
     return Cost(kind, world_size, **values, expressions=exprs)
 
 
@@ -144,8 +176,14 @@ def _state(param_exprs: dict[str, sympy.Expr], n_params: int, optimizer: str):
     return params, params, states * params + steps
 
 
-def rtp_cost(plan, profile: Profile, optimizer: str = "adamw", dtype=None,
-             buckets=(), precision: Precision = Precision()) -> Cost:
+def rtp_cost(
+    plan,
+    profile: Profile,
+    optimizer: str = "adamw",
+    dtype=None,
+    buckets=(),
+    precision: Precision = Precision(),
+) -> Cost:
     """RTP: every parameter, gradient and optimizer state is a 1/N shard. A rotated unit has
     its flat messages in flight (2 forward: held + incoming; 4 backward: weights and gradient
     accumulators, held + incoming); a gathered op its full tensors. Every unit sends
@@ -178,8 +216,9 @@ def rtp_cost(plan, profile: Profile, optimizer: str = "adamw", dtype=None,
     def full_of(names):
         return sum(math.prod(plan.params[n].shape) * rotating[n].itemsize for n in names)
 
-    small = list(dict.fromkeys(p for u in plan.units if u.kind == UnitKind.SMALL
-                               for p in u.params.values()))
+    small = list(
+        dict.fromkeys(p for u in plan.units if u.kind == UnitKind.SMALL for p in u.params.values())
+    )
     if small:  # one all-gather forward, one reduce-scatter backward, for all of them
         message, grad = message_of(small), message_of(small, reducing)
         traffic += (N - 1) * (message + grad)
@@ -212,49 +251,77 @@ def rtp_cost(plan, profile: Profile, optimizer: str = "adamw", dtype=None,
             backward_units.append((read_at(names), 2 * ring * (message + grad)))
     transient = sympy.Max(*[b for _, b in backward_units]) if backward_units else sympy.Integer(0)
     largest_shard = sympy.Max(*shard.values()) if shard else sympy.Integer(0)
-    exprs = {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": opt,
-             "transient_bytes": transient, "activation_bytes": A, "traffic_bytes": traffic}
+    exprs = {
+        "param_bytes": params,
+        "grad_bytes": grads,
+        "optimizer_bytes": opt,
+        "transient_bytes": transient,
+        "activation_bytes": A,
+        "traffic_bytes": traffic,
+    }
     forward = _curve(profile, shard, _buffers_at(forward_units), backward=False)
-    backward = _curve(profile, shard, _buffers_at(backward_units), backward=True) \
-        + profile.output_bytes  # the output's gradient
+    backward = (
+        _curve(profile, shard, _buffers_at(backward_units), backward=True) + profile.output_bytes
+    )  # the output's gradient
     step = grads + 2 * largest_shard  # single-tensor AdamW: two shard-sized temporaries
     exprs["peak_bytes"] = params + opt + sympy.Max(forward, backward, step)
     return _evaluate("rtp", plan.world_size, exprs, profile.activation_bytes)
 
 
-def ddp_cost(params: dict[str, torch.Tensor], profile: Profile, world_size: int,
-             optimizer: str = "adamw", dtype=None) -> Cost:
+def ddp_cost(
+    params: dict[str, torch.Tensor],
+    profile: Profile,
+    world_size: int,
+    optimizer: str = "adamw",
+    dtype=None,
+) -> Cost:
     """DDP: full replicas of parameters, gradients and optimizer state, plus its gradient
     buckets (a second copy of the gradients, kept for the life of the module); a ring
     all-reduce of the gradients each step."""
     full = {n: sympy.Integer(p.numel() * (dtype or p.dtype).itemsize) for n, p in params.items()}
     p_bytes, grads, opt = _state(full, len(params), optimizer)
     buckets = grads
-    exprs = {"param_bytes": p_bytes, "grad_bytes": grads, "optimizer_bytes": opt,
-             "transient_bytes": buckets, "activation_bytes": A,
-             "traffic_bytes": 2 * (N - 1) / N * grads}
+    exprs = {
+        "param_bytes": p_bytes,
+        "grad_bytes": grads,
+        "optimizer_bytes": opt,
+        "transient_bytes": buckets,
+        "activation_bytes": A,
+        "traffic_bytes": 2 * (N - 1) / N * grads,
+    }
     backward = _curve(profile, full, {}, backward=True) + profile.output_bytes
     step = grads + 2 * sympy.Max(*full.values())
     exprs["peak_bytes"] = p_bytes + opt + buckets + sympy.Max(A, backward, step)
     return _evaluate("ddp", world_size, exprs, profile.activation_bytes)
 
 
-def fsdp_cost(params: dict[str, torch.Tensor], profile: Profile, world_size: int,
-              blocks: list[list[str]], optimizer: str = "adamw", dtype=None) -> Cost:
+def fsdp_cost(
+    params: dict[str, torch.Tensor],
+    profile: Profile,
+    world_size: int,
+    blocks: list[list[str]],
+    optimizer: str = "adamw",
+    dtype=None,
+) -> Cost:
     """FSDP2 (`fully_shard` per block, then the root): 1/N of every parameter, gradient and
     optimizer state (each cut evenly on dim 0); a block's parameters all-gathered while the
     next one's are prefetched, in backward also its unsharded gradients before the
     reduce-scatter. Traffic: all-gather forward and backward, reduce-scatter."""
     element = {n: (dtype or p.dtype).itemsize for n, p in params.items()}
-    shard = {n: sympy.ceiling(sympy.Integer(p.shape[0] if p.dim() else 1) / N)
-             * (p.numel() // max(p.shape[0], 1) if p.dim() else 1) * element[n]
-             for n, p in params.items()}
+    shard = {
+        n: sympy.ceiling(sympy.Integer(p.shape[0] if p.dim() else 1) / N)
+        * (p.numel() // max(p.shape[0], 1) if p.dim() else 1)
+        * element[n]
+        for n, p in params.items()
+    }
     p_bytes, grads, opt = _state(shard, len(params), optimizer)
     ring = sympy.Min(N - 1, 1)
     forward_units, backward_units = [], []
     sizes = [sympy.Integer(sum(params[n].numel() * element[n] for n in names)) for names in blocks]
-    root = ring * sum((size for names, size in zip(blocks, sizes) if names is blocks[-1]),
-                      sympy.Integer(0))  # the root stays unsharded from forward to backward
+    root = ring * sum(
+        (size for names, size in zip(blocks, sizes) if names is blocks[-1]), sympy.Integer(0)
+    )  # the root stays unsharded from forward to backward
+
     def read_at(names) -> set[int]:
         return {p for n in names for p in profile.uses.get(n, [])}
 
@@ -264,12 +331,18 @@ def fsdp_cost(params: dict[str, torch.Tensor], profile: Profile, world_size: int
     forward_units.append((read_at(blocks[-1]), root))
     backward_units.append((read_at(blocks[-1]), 2 * root))
     total = sympy.Integer(sum(p.numel() * element[n] for n, p in params.items()))
-    exprs = {"param_bytes": p_bytes, "grad_bytes": grads, "optimizer_bytes": opt,
-             "transient_bytes": sympy.Max(*[b for _, b in backward_units]),
-             "activation_bytes": A, "traffic_bytes": 3 * (N - 1) / N * total}
+    exprs = {
+        "param_bytes": p_bytes,
+        "grad_bytes": grads,
+        "optimizer_bytes": opt,
+        "transient_bytes": sympy.Max(*[b for _, b in backward_units]),
+        "activation_bytes": A,
+        "traffic_bytes": 3 * (N - 1) / N * total,
+    }
     forward = _curve(profile, shard, _buffers_at(forward_units), backward=False)
-    backward = _curve(profile, shard, _buffers_at(backward_units), backward=True) \
-        + profile.output_bytes
+    backward = (
+        _curve(profile, shard, _buffers_at(backward_units), backward=True) + profile.output_bytes
+    )
     step = grads + 2 * sympy.Max(*shard.values())
     exprs["peak_bytes"] = p_bytes + opt + sympy.Max(forward, backward, step)
     return _evaluate("fsdp2", world_size, exprs, profile.activation_bytes)
@@ -282,7 +355,7 @@ def fsdp_blocks(names: list[str]) -> list[list[str]]:
     for name in names:
         parts = name.split(".")
         index = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-        key = ".".join(parts[:index + 1]) if index is not None else ""
+        key = ".".join(parts[: index + 1]) if index is not None else ""
         blocks.setdefault(key, []).append(name)
     root = blocks.pop("")
     return list(blocks.values()) + [root]

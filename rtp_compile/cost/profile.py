@@ -3,6 +3,7 @@ fake tensors (no memory, no compute) with the batch's shapes, and every tensor a
 is counted once, in the order it is saved, next to the moments each parameter is last used
 (`cost.model` walks that order for the peak).
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,8 +24,9 @@ from rtp_compile.core.retarget_meta import retarget_meta
 @dataclass
 class Profile:
     """The order in which a forward saves activations and uses parameters."""
-    saved: list[int]                   # bytes first saved, in order
-    uses: dict[str, list[int]]         # parameter -> the points (len(saved) then) it is read at
+
+    saved: list[int]  # bytes first saved, in order
+    uses: dict[str, list[int]]  # parameter -> the points (len(saved) then) it is read at
     output_bytes: int
 
     @property
@@ -53,8 +55,13 @@ class _ParamUse(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def profile_forward(module: torch.nn.Module, params: dict[str, torch.Tensor], inputs: dict,
-                    loss_keeps_output: bool = True, compute=lambda dtype: dtype) -> Profile:
+def profile_forward(
+    module: torch.nn.Module,
+    params: dict[str, torch.Tensor],
+    inputs: dict,
+    loss_keeps_output: bool = True,
+    compute=lambda dtype: dtype,
+) -> Profile:
     """Run `module(**inputs)` on fake tensors (the inputs are (shape, dtype) specs) with
     `params` (canonical name -> tensor, meta or real; never read), each in the dtype
     `compute(its dtype)` (mixed precision: what the graph was captured computing in), and
@@ -68,8 +75,12 @@ def profile_forward(module: torch.nn.Module, params: dict[str, torch.Tensor], in
     seen: set[int] = set()
     with FakeTensorMode(allow_non_fake_inputs=True):
         device = "cpu"
-        fake = {name: torch.empty(p.shape, dtype=compute(p.dtype), device=device,
-                                  requires_grad=p.requires_grad) for name, p in params.items()}
+        fake = {
+            name: torch.empty(
+                p.shape, dtype=compute(p.dtype), device=device, requires_grad=p.requires_grad
+            )
+            for name, p in params.items()
+        }
         state = {alias: fake[name] for name, alias in _aliases(module, params)}
         for node in module.graph.nodes:  # buffers and constants, fake and on cpu too
             value = _attr(module, node.target) if node.op == "get_attr" else None
@@ -77,8 +88,10 @@ def profile_forward(module: torch.nn.Module, params: dict[str, torch.Tensor], in
                 state[node.target] = torch.zeros(value.shape, dtype=value.dtype, device=device)
         storages = {t.untyped_storage()._cdata: name for name, t in fake.items()}
         seen.update(storages)
-        args = {k: torch.zeros(shape, dtype=dtype, device=device)
-                for k, (shape, dtype) in inputs.items()}
+        args = {
+            k: torch.zeros(shape, dtype=dtype, device=device)
+            for k, (shape, dtype) in inputs.items()
+        }
 
         def pack(t):
             key = t.untyped_storage()._cdata
@@ -87,8 +100,10 @@ def profile_forward(module: torch.nn.Module, params: dict[str, torch.Tensor], in
                 events.append(("save", t.untyped_storage().nbytes()))
             return t
 
-        with _ParamUse(storages, events), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (
+            _ParamUse(storages, events),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
             out = torch.func.functional_call(module, state, (), args, strict=False)
     leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     out_bytes = sum(t.numel() * t.element_size() for t in leaves)
@@ -127,20 +142,25 @@ def _aliases(module, params):
 
 
 # reference -> {batch: Profile}
-_profiles: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_profiles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def profile_of(ctx, batch_size: int, seq_len: int | None = None,
-               example_kwargs: dict | None = None) -> Profile:
+def profile_of(
+    ctx, batch_size: int, seq_len: int | None = None, example_kwargs: dict | None = None
+) -> Profile:
     """The profile of the captured model (`ctx.reference`) on such a batch, made once per batch
     shape for all world sizes' programs of one capture."""
-    specs = input_specs(ctx.reference, batch_size, seq_len) if example_kwargs is None else \
-        {k: (tuple(v.shape), v.dtype) for k, v in example_kwargs.items()}
+    specs = (
+        input_specs(ctx.reference, batch_size, seq_len)
+        if example_kwargs is None
+        else {k: (tuple(v.shape), v.dtype) for k, v in example_kwargs.items()}
+    )
     key = tuple(sorted((k, shape, str(dtype)) for k, (shape, dtype) in specs.items()))
     profiles = _profiles.setdefault(ctx.reference, {})
     if key not in profiles:
-        profiles[key] = profile_forward(ctx.reference, ctx.params, specs,
-                                        compute=ctx.precision.compute)
+        profiles[key] = profile_forward(
+            ctx.reference, ctx.params, specs, compute=ctx.precision.compute
+        )
     return profiles[key]
 
 
@@ -168,7 +188,8 @@ def input_specs(reference, batch_size: int, seq_len: int | None) -> dict[str, tu
             raise ValueError(
                 f"rtp_compile.cost: cannot tell the shape of the model input {node.name!r} "
                 "(seq_len not given, or the input does not index an embedding); pass "
-                "example_kwargs={name: tensor} with one batch instead.")
+                "example_kwargs={name: tensor} with one batch instead."
+            )
     return specs
 
 
@@ -178,8 +199,9 @@ def _hint(size) -> int:
 
 def _indexes_embedding(node, reference) -> bool:
     for user in node.users:
-        if user.op == "call_module" and isinstance(reference.get_submodule(user.target),
-                                                   torch.nn.Embedding):
+        if user.op == "call_module" and isinstance(
+            reference.get_submodule(user.target), torch.nn.Embedding
+        ):
             return user.args[0] is node
         if user.target in (F.embedding, torch.ops.aten.embedding.default):
             return user.args[1 if user.target is torch.ops.aten.embedding.default else 0] is node

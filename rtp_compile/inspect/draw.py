@@ -12,6 +12,7 @@ Layout: graphviz's `dot` when pydot and the `dot` binary are installed, else net
 (topological generations, top to bottom, the program's order); matplotlib draws, imported only
 here.
 """
+
 from __future__ import annotations
 
 import operator
@@ -28,8 +29,19 @@ from rtp_compile.runtime.events import forward_shard
 FORMATS = (".svg", ".png", ".pdf")
 _THROUGH = {operator.getitem, "detach", "rtp_job"}  # plumbing: drawn through, not as a box
 _COLUMN, _ROW = 2.3, 0.4  # inches between box centres side by side; margin above and below
-_VIEWS = {"chunk", "unflatten", "flatten", "transpose", "view", "reshape", "permute",
-          "contiguous", "size", "getattr", "narrow"}
+_VIEWS = {
+    "chunk",
+    "unflatten",
+    "flatten",
+    "transpose",
+    "view",
+    "reshape",
+    "permute",
+    "contiguous",
+    "size",
+    "getattr",
+    "narrow",
+}
 
 
 @dataclass(frozen=True)
@@ -37,14 +49,16 @@ class Box:
     """One drawn box: `kind` is "input", "output", "ops", "step", "send", "wait" or
     "gathered"; `colour` the unit or bucket whose colour it takes (None: plain ops); `order`
     where its first node lies in the program."""
+
     kind: str
     label: str
     colour: str | None
     order: int
 
 
-def schedule_graph(gm: fx.GraphModule, world_size: int, rank: int,
-                   buckets: dict[str, tuple[str, ...]]) -> nx.DiGraph:
+def schedule_graph(
+    gm: fx.GraphModule, world_size: int, rank: int, buckets: dict[str, tuple[str, ...]]
+) -> nx.DiGraph:
     """The boxes of rank `rank`'s module `gm` (`Box` in each node's "box") and the edges
     between them ("kind": "data", "hop" or "order"); `buckets` (ctx.buckets) gives the units
     that share a colour."""
@@ -96,7 +110,7 @@ def _box_key(node: fx.Node, n: int) -> str | None:
 
 
 def _wait_of(send_key: str) -> str:
-    return "wait" + send_key[len("send"):]
+    return "wait" + send_key[len("send") :]
 
 
 def _box(key: str, nodes: list[fx.Node], order: int, n: int, rank: int, colour_of) -> Box:
@@ -115,8 +129,11 @@ def _box(key: str, nodes: list[fx.Node], order: int, n: int, rank: int, colour_o
         text = f"wait {first.args[0].args[4]}"
     elif kind == "gathered":
         units = label.units or [unit]
-        text = f"gathered: {unit}" if len(units) == 1 else \
-            f"gathered: small params\n({len(units)} units)"
+        text = (
+            f"gathered: {unit}"
+            if len(units) == 1
+            else f"gathered: small params\n({len(units)} units)"
+        )
     elif kind == "ops":
         text, colour = _ops_label(nodes), None
     else:
@@ -177,11 +194,14 @@ def draw(prog, rank: int, path) -> pathlib.Path:
     its suffix (an SVG keeps its text as text). Returns the path."""
     path = pathlib.Path(path)
     if path.suffix.lower() not in FORMATS:
-        raise ValueError(f"rtp_compile: draw writes {', '.join(FORMATS)} (by the path's suffix), "
-                         f"got {str(path)!r}")
+        raise ValueError(
+            f"rtp_compile: draw writes {', '.join(FORMATS)} (by the path's suffix), "
+            f"got {str(path)!r}"
+        )
     graph = schedule_graph(prog.module(rank), prog.world_size, rank, prog.ctx.buckets)
     figure = render(graph, f"rank {rank} of {prog.world_size}: the forward schedule")
     import matplotlib
+
     with matplotlib.rc_context({"svg.fonttype": "none"}):
         figure.savefig(path, bbox_inches="tight", dpi=110)
     return path
@@ -201,13 +221,27 @@ def render(graph: nx.DiGraph, title: str):
     ax.set_ylim(min(ys) - _ROW, max(ys) + _ROW)
     ax.text(min(xs) - _COLUMN, max(ys) + _ROW, title, fontsize=10, va="top")
     colours = _palette(graph)
-    texts = {key: ax.text(*pos[key], data["box"].label, ha="center", va="center", fontsize=7,
-                          zorder=3, bbox=_box_style(data["box"], colours))
-             for key, data in graph.nodes(data=True)}
+    texts = {
+        key: ax.text(
+            *pos[key],
+            data["box"].label,
+            ha="center",
+            va="center",
+            fontsize=7,
+            zorder=3,
+            bbox=_box_style(data["box"], colours),
+        )
+        for key, data in graph.nodes(data=True)
+    }
     for a, b, kind in graph.edges(data="kind"):
         _arrow(ax, texts[a], texts[b], kind, colours.get(graph.nodes[a]["box"].colour, "grey"))
-    ax.legend(handles=_legend(graph, colours), loc="upper left", bbox_to_anchor=(1.0, 1.0),
-              fontsize=7, frameon=False)
+    ax.legend(
+        handles=_legend(graph, colours),
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=7,
+        frameon=False,
+    )
     return fig
 
 
@@ -217,8 +251,7 @@ def matplotlib_figure():
     try:
         from matplotlib.figure import Figure
     except ImportError as err:
-        raise ImportError("rtp_compile: drawing needs matplotlib: pip install matplotlib") \
-            from err
+        raise ImportError("rtp_compile: drawing needs matplotlib: pip install matplotlib") from err
     return Figure
 
 
@@ -235,8 +268,10 @@ def layered(graph: nx.DiGraph) -> dict[str, tuple[float, float]]:
     """networkx's layers, in inches: each box one topological generation below what it
     depends on, boxes of one generation side by side in program order, each row as tall as
     its tallest box; the hops in lanes right of the compute (`_hop_lanes`)."""
-    rows = [sorted(keys, key=lambda k: graph.nodes[k]["box"].order)
-            for keys in nx.topological_generations(graph)]
+    rows = [
+        sorted(keys, key=lambda k: graph.nodes[k]["box"].order)
+        for keys in nx.topological_generations(graph)
+    ]
     lanes = _hop_lanes(graph, {k: i for i, keys in enumerate(rows) for k in keys})
     middles = [[k for k in keys if k not in lanes] for keys in rows]
     right = max((len(m) - 1) / 2 for m in middles) + 1  # the first lane, in columns
@@ -257,8 +292,10 @@ def _hop_lanes(graph: nx.DiGraph, row: dict[str, int]) -> dict[str, int]:
     beside the compute it flies over."""
     busy: list[int] = []  # per lane, the row of its last wait
     lanes = {}
-    hops = sorted(((a, b) for a, b, kind in graph.edges(data="kind") if kind == "hop"),
-                  key=lambda hop: row[hop[0]])
+    hops = sorted(
+        ((a, b) for a, b, kind in graph.edges(data="kind") if kind == "hop"),
+        key=lambda hop: row[hop[0]],
+    )
     for send, wait in hops:
         lane = next((i for i, last in enumerate(busy) if last < row[send]), len(busy))
         if lane == len(busy):
@@ -270,6 +307,7 @@ def _hop_lanes(graph: nx.DiGraph, row: dict[str, int]) -> dict[str, int]:
 
 def _has(module: str) -> bool:
     import importlib.util
+
     return importlib.util.find_spec(module) is not None
 
 
@@ -277,6 +315,7 @@ def _palette(graph: nx.DiGraph) -> dict[str, tuple]:
     """One colour per unit or bucket (tab10, repeating after ten), in the order they first
     appear in the program."""
     from matplotlib import colormaps
+
     first: dict[str, int] = {}
     for _, data in graph.nodes(data=True):
         box = data["box"]
@@ -296,8 +335,12 @@ def _box_style(box: Box, colours) -> dict:
     if box.kind == "step":
         return dict(boxstyle="round,pad=0.35", fc=_light(colour), ec=colour, lw=1.0)
     if box.kind in ("send", "wait"):
-        return dict(boxstyle="rarrow,pad=0.3" if box.kind == "send" else "larrow,pad=0.3",
-                    fc="white", ec=colour, lw=1.5)
+        return dict(
+            boxstyle="rarrow,pad=0.3" if box.kind == "send" else "larrow,pad=0.3",
+            fc="white",
+            ec=colour,
+            lw=1.5,
+        )
     if box.kind == "gathered":
         return dict(boxstyle="square,pad=0.35", fc=_light(colour), ec="black", lw=1.2, ls="--")
     if box.kind == "ops":
@@ -306,23 +349,39 @@ def _box_style(box: Box, colours) -> dict:
 
 
 def _arrow(ax, a, b, kind: str, colour) -> None:
-    style = {"data": dict(color="#555555", lw=0.7, ls="-"),
-             "hop": dict(color=colour, lw=2.0, ls="--"),
-             "order": dict(color="#aaaaaa", lw=0.7, ls=":")}[kind]
-    ax.annotate("", xy=(0.5, 0.5), xycoords=b, xytext=(0.5, 0.5), textcoords=a, zorder=2,
-                arrowprops=dict(arrowstyle="-|>", patchA=a.get_bbox_patch(),
-                                patchB=b.get_bbox_patch(), shrinkA=1, shrinkB=1,
-                                connectionstyle="arc3",
-                                **style))
+    style = {
+        "data": dict(color="#555555", lw=0.7, ls="-"),
+        "hop": dict(color=colour, lw=2.0, ls="--"),
+        "order": dict(color="#aaaaaa", lw=0.7, ls=":"),
+    }[kind]
+    ax.annotate(
+        "",
+        xy=(0.5, 0.5),
+        xycoords=b,
+        xytext=(0.5, 0.5),
+        textcoords=a,
+        zorder=2,
+        arrowprops=dict(
+            arrowstyle="-|>",
+            patchA=a.get_bbox_patch(),
+            patchB=b.get_bbox_patch(),
+            shrinkA=1,
+            shrinkB=1,
+            connectionstyle="arc3",
+            **style,
+        ),
+    )
 
 
 def _legend(graph: nx.DiGraph, colours) -> list:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
+
     handles = [Patch(fc=_light(c), ec=c, label=name) for name, c in colours.items()]
     if any(d["box"].kind == "gathered" for _, d in graph.nodes(data=True)):
         handles.append(Patch(fc="white", ec="black", ls="--", label="gathered (no rotation)"))
     return handles + [
         Line2D([], [], color="black", lw=2, ls="--", label="ring hop: send -> wait"),
         Line2D([], [], color="#555555", lw=0.7, label="data"),
-        Line2D([], [], color="#aaaaaa", lw=0.7, ls=":", label="order (a hop flies over it)")]
+        Line2D([], [], color="#aaaaaa", lw=0.7, ls=":", label="order (a hop flies over it)"),
+    ]

@@ -12,6 +12,7 @@ Overlap is the share of the in-flight time during which the rank computes: 1 mea
 travelled behind compute, 0 that the rank did nothing else while it flew. One row per rank;
 times on the clock of the one host the ranks ran on (local ranks share it).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,6 +30,7 @@ Intervals = list[tuple[float, float]]  # (start, end) in microseconds, sorted, d
 class RankTimeline:
     """One rank's step: its window and intervals (µs on the host's clock), and where its
     backward and optimizer step begin (`phases`, where the trace shows them)."""
+
     rank: int
     window: tuple[float, float]
     compute: Intervals
@@ -44,16 +46,16 @@ class RankTimeline:
     compute_s = property(lambda self: _length(self.compute) * 1e-6, doc="seconds computing")
     send_s = property(lambda self: _length(self.send) * 1e-6, doc="seconds in rtp.send")
     wait_s = property(lambda self: _length(self.wait) * 1e-6, doc="seconds in rtp.wait")
-    flight_s = property(lambda self: _length(self.flight) * 1e-6,
-                        doc="seconds with a hop in flight")
+    flight_s = property(
+        lambda self: _length(self.flight) * 1e-6, doc="seconds with a hop in flight"
+    )
 
     @property
     def overlap(self) -> float:
         """The share of the time a hop is in flight during which the rank computes (nan with
         no hop)."""
         flight = _length(self.flight)
-        return _length(_intersect(self.flight, self.compute)) / flight if flight else \
-            float("nan")
+        return _length(_intersect(self.flight, self.compute)) / flight if flight else float("nan")
 
     @property
     def exposed(self) -> float:
@@ -65,6 +67,7 @@ class RankTimeline:
 class Timeline:
     """Every rank's `RankTimeline` and the figure that plots them (`figure.savefig(...)`;
     a notebook shows it with `display(tl.figure)`)."""
+
     ranks: list[RankTimeline]
     figure: object
 
@@ -73,14 +76,35 @@ class Timeline:
         return [r.overlap for r in self.ranks]
 
     def __str__(self) -> str:
-        rows = [("rank", "step ms", "compute ms", "send ms", "wait ms", "in flight ms",
-                 "overlap", "exposed")]
+        rows = [
+            (
+                "rank",
+                "step ms",
+                "compute ms",
+                "send ms",
+                "wait ms",
+                "in flight ms",
+                "overlap",
+                "exposed",
+            )
+        ]
         for r in self.ranks:
-            rows.append((r.rank, f"{r.step_s * 1e3:.1f}", f"{r.compute_s * 1e3:.1f}",
-                         f"{r.send_s * 1e3:.1f}", f"{r.wait_s * 1e3:.1f}",
-                         f"{r.flight_s * 1e3:.1f}", f"{r.overlap:.0%}", f"{r.exposed:.0%}"))
-        return format_table(rows) + "\noverlap: share of the time a hop is in flight spent " \
-                                    "computing; exposed: share of the step spent waiting on hops"
+            rows.append(
+                (
+                    r.rank,
+                    f"{r.step_s * 1e3:.1f}",
+                    f"{r.compute_s * 1e3:.1f}",
+                    f"{r.send_s * 1e3:.1f}",
+                    f"{r.wait_s * 1e3:.1f}",
+                    f"{r.flight_s * 1e3:.1f}",
+                    f"{r.overlap:.0%}",
+                    f"{r.exposed:.0%}",
+                )
+            )
+        return (
+            format_table(rows) + "\noverlap: share of the time a hop is in flight spent "
+            "computing; exposed: share of the step spent waiting on hops"
+        )
 
 
 def timeline(trace_or_run, path=None) -> Timeline:
@@ -109,8 +133,10 @@ def read_events(source) -> list[dict]:
     try:
         return json.loads(pathlib.Path(source).read_text())["traceEvents"]
     except (OSError, TypeError, ValueError, KeyError) as err:
-        raise ValueError(f"rtp_compile.timeline: expected a chrome trace (a path to its JSON, "
-                         f"or a torch.profiler.profile), got {source!r}: {err}") from err
+        raise ValueError(
+            f"rtp_compile.timeline: expected a chrome trace (a path to its JSON, "
+            f"or a torch.profiler.profile), got {source!r}: {err}"
+        ) from err
 
 
 def rank_timeline(events: list[dict], rank: int) -> RankTimeline:
@@ -118,21 +144,33 @@ def rank_timeline(events: list[dict], rank: int) -> RankTimeline:
     all of the trace without one)."""
     ranges = [e for e in events if e.get("ph") == "X" and "dur" in e]
     step = next((e for e in ranges if e.get("name") == STEP), None)
-    window = (step["ts"], step["ts"] + step["dur"]) if step else \
-        (min(e["ts"] for e in ranges), max(e["ts"] + e["dur"] for e in ranges))
+    window = (
+        (step["ts"], step["ts"] + step["dur"])
+        if step
+        else (min(e["ts"] for e in ranges), max(e["ts"] + e["dur"] for e in ranges))
+    )
     inside = [e for e in ranges if window[0] <= e["ts"] <= window[1]]
     send = [e for e in inside if e["name"].startswith("rtp.send ")]
     wait = [e for e in inside if e["name"].startswith("rtp.wait ")]
     ring = _union(_spans(send) + _spans(wait))
     ops = _union(_spans([e for e in inside if e.get("cat") == "cpu_op"]))
     phases = {}
-    for phase, prefix in (("backward", "autograd::engine::evaluate_function"),
-                          ("optimizer", "Optimizer.step")):
+    for phase, prefix in (
+        ("backward", "autograd::engine::evaluate_function"),
+        ("optimizer", "Optimizer.step"),
+    ):
         starts = [e["ts"] for e in inside if e["name"].startswith(prefix)]
         if starts:
             phases[phase] = min(starts)
-    return RankTimeline(rank, window, _subtract(ops, ring), _union(_spans(send)),
-                        _union(_spans(wait)), _union(_flights(send, wait)), phases)
+    return RankTimeline(
+        rank,
+        window,
+        _subtract(ops, ring),
+        _union(_spans(send)),
+        _union(_spans(wait)),
+        _union(_flights(send, wait)),
+        phases,
+    )
 
 
 def _spans(events: list[dict]) -> Intervals:
@@ -193,18 +231,22 @@ def _length(spans: Intervals) -> float:
     return sum(end - start for start, end in spans)
 
 
-_LANES = {"flight": (0.22, 0.14, "#b39ddb", "hop in flight (send start -> wait end)"),
-          "compute": (0.0, 0.26, "#1f77b4", "compute (ops outside the ring ranges)"),
-          "send": (-0.24, 0.16, "#ff7f0e", "rtp.send (pack and post a hop)"),
-          "wait": (-0.24, 0.16, "#d62728", "rtp.wait (blocked on a hop)")}
+_LANES = {
+    "flight": (0.22, 0.14, "#b39ddb", "hop in flight (send start -> wait end)"),
+    "compute": (0.0, 0.26, "#1f77b4", "compute (ops outside the ring ranges)"),
+    "send": (-0.24, 0.16, "#ff7f0e", "rtp.send (pack and post a hop)"),
+    "wait": (-0.24, 0.16, "#d62728", "rtp.wait (blocked on a hop)"),
+}
 
 
 def plot(ranks: list[RankTimeline]):
     """The figure: one row per rank (rank 0 on top), each with its lanes (`_LANES`) against
     ms since the first rank's step began; dotted lines where backward and the optimizer
     step begin."""
-    from rtp_compile.inspect.draw import matplotlib_figure
     from matplotlib.patches import Patch
+
+    from rtp_compile.inspect.draw import matplotlib_figure
+
     origin = min(r.window[0] for r in ranks)
     fig = matplotlib_figure()(figsize=(11, 0.9 + 1.0 * len(ranks)))
     ax = fig.add_subplot()
@@ -217,15 +259,23 @@ def plot(ranks: list[RankTimeline]):
             x = (at - origin) / 1e3
             ax.vlines(x, base - 0.4, base + 0.4, colors="black", linestyles=":", lw=0.8)
             ax.text(x, base + 0.42, phase, fontsize=7, va="bottom")
-        ax.plot([(w - origin) / 1e3 for w in r.window], [base - 0.38] * 2, "|-", color="grey",
-                lw=0.6)
-    ax.set_yticks([-r.rank for r in ranks],
-                  [f"rank {r.rank}\noverlap {r.overlap:.0%}" for r in ranks])
+        ax.plot(
+            [(w - origin) / 1e3 for w in r.window], [base - 0.38] * 2, "|-", color="grey", lw=0.6
+        )
+    ax.set_yticks(
+        [-r.rank for r in ranks], [f"rank {r.rank}\noverlap {r.overlap:.0%}" for r in ranks]
+    )
     ax.set_ylim(-len(ranks) + 0.4, 0.65)
     ax.set_xlabel("ms since the first rank's step began")
-    ax.set_title("one training step per rank: compute against the ring's hops", fontsize=10,
-                 loc="left")
-    ax.legend(handles=[Patch(color=c, label=text) for _, _, c, text in _LANES.values()],
-              fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.set_title(
+        "one training step per rank: compute against the ring's hops", fontsize=10, loc="left"
+    )
+    ax.legend(
+        handles=[Patch(color=c, label=text) for _, _, c, text in _LANES.values()],
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        frameon=False,
+    )
     fig.tight_layout()
     return fig

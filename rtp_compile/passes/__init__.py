@@ -10,6 +10,7 @@ runner in `passes.manager`.
 
 May import: `passes.analysis`, `passes.manager`, `runtime`, `core`.
 """
+
 from rtp_compile.passes.bucket import bucket_units
 from rtp_compile.passes.cast_precision import cast_precision
 from rtp_compile.passes.fold_parameter_metadata import fold_parameter_metadata
@@ -23,16 +24,16 @@ from rtp_compile.passes.schedule import schedule
 from rtp_compile.passes.split_norm_affine import split_norm_affine
 
 PIPELINE = [
-    lower_modules,            # fx module calls -> torch functions (function level)
+    lower_modules,  # fx module calls -> torch functions (function level)
     fold_parameter_metadata,  # w.shape, w.size() -> constants (function level)
-    split_norm_affine,        # norm(x, w, b) -> norm(x) * w + b: the affine rotates
-    plan_sharding,            # ctx.plan: a layout per parameter, a unit per weight-bearing op
-    fuse_blocks,              # ctx.plan: MLP / attention blocks as one unit where exact
-    gather_small_params,      # ctx.plan: norm affines and other tiny units gathered per step
-    rotate,                   # weight-bearing ops -> unit markers, bodies into ctx.bodies
-    bucket_units,             # ctx.buckets: consecutive units sharing one message per step
-    cast_precision,           # mixed precision: inputs to param_dtype, outputs to output_dtype
-    schedule,                 # markers -> steps and ring hops; backward events into ctx
+    split_norm_affine,  # norm(x, w, b) -> norm(x) * w + b: the affine rotates
+    plan_sharding,  # ctx.plan: a layout per parameter, a unit per weight-bearing op
+    fuse_blocks,  # ctx.plan: MLP / attention blocks as one unit where exact
+    gather_small_params,  # ctx.plan: norm affines and other tiny units gathered per step
+    rotate,  # weight-bearing ops -> unit markers, bodies into ctx.bodies
+    bucket_units,  # ctx.buckets: consecutive units sharing one message per step
+    cast_precision,  # mixed precision: inputs to param_dtype, outputs to output_dtype
+    schedule,  # markers -> steps and ring hops; backward events into ctx
 ]
 
 

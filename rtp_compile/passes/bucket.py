@@ -23,6 +23,7 @@ parameters have one dtype (its gradient rows add as one flat tensor); a bucket's
 the same activation checkpoint of the model, or in none (a recomputed region re-runs its own
 hops only); a bucket holds at most `bucket_bytes`.
 """
+
 from __future__ import annotations
 
 import torch.fx as fx
@@ -57,8 +58,11 @@ def rotating_units_in_order(gm: fx.GraphModule, ctx) -> list:
 
 def checkpoint_regions(gm: fx.GraphModule) -> dict[str, int | None]:
     """Each rotated and fused unit's activation checkpoint of the model (None: none)."""
-    return {n.args[0]: checkpoint_region(n) for n in gm.graph.nodes
-            if n.target in (rotated_op, fused_block)}
+    return {
+        n.args[0]: checkpoint_region(n)
+        for n in gm.graph.nodes
+        if n.target in (rotated_op, fused_block)
+    }
 
 
 def bucket_budget(ctx, units) -> int:
@@ -80,15 +84,16 @@ def _check(gm: fx.GraphModule, ctx) -> None:
             raise InvariantError(f"bucket {name}: {members} (fewer than two, or shared units)")
         seen |= set(members)
         at = order.index(members[0])
-        if list(order[at:at + len(members)]) != list(members):
+        if list(order[at : at + len(members)]) != list(members):
             raise InvariantError(f"bucket {name}: {members} do not follow each other")
         if set(members) & _tied(ctx.plan):
             raise InvariantError(f"bucket {name}: a unit reads a parameter another unit reads")
         if len(_dtypes(ctx.plan, [units[m] for m in members])) != 1:
             raise InvariantError(f"bucket {name}: its parameters' dtypes differ")
         if len({regions[m] for m in members}) > 1:
-            raise InvariantError(f"bucket {name}: its units are in different activation "
-                                 "checkpoints")
+            raise InvariantError(
+                f"bucket {name}: its units are in different activation checkpoints"
+            )
         held = ctx.world_size * bucket_message_bytes(ctx.plan, [units[m] for m in members])
         if held > budget:
             raise InvariantError(f"bucket {name} holds {held} bytes, over bucket_bytes {budget}")
@@ -111,9 +116,11 @@ def bucket_units(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if unit.name in tied:
             runs += [[unit], []]
             continue
-        if current and (len(_dtypes(ctx.plan, [*current, unit])) > 1 or
-                        regions[current[0].name] != regions[unit.name] or
-                        n * bucket_message_bytes(ctx.plan, [*current, unit]) > budget):
+        if current and (
+            len(_dtypes(ctx.plan, [*current, unit])) > 1
+            or regions[current[0].name] != regions[unit.name]
+            or n * bucket_message_bytes(ctx.plan, [*current, unit]) > budget
+        ):
             runs.append([])
         runs[-1].append(unit)
     for run in runs:

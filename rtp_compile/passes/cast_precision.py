@@ -5,12 +5,13 @@ module: floating inputs cast to `param_dtype` (`cast_forward_inputs`), floating 
 Invariant: without an `mp_policy` the graph is unchanged; with one that casts inputs, every
 input is read only through its cast; with an `output_dtype`, every value returned is cast.
 """
+
 from __future__ import annotations
 
 import torch.fx as fx
 
-from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
 from rtp_compile.core.graph_ops import cast_floating
+from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
 
 
 def _input_dtype(ctx):

@@ -7,6 +7,7 @@ Invariant: every folded node had a parameter read as its only tensor input and c
 metadata that is fixed for the parameter's lifetime (shape, dtype, device, ndim); no such read
 is left. Function level only: export has folded them already.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -27,8 +28,11 @@ def _metadata(node: fx.Node, params: dict[str, torch.Tensor]):
     if not (isinstance(source, fx.Node) and source.op == "get_attr" and source.target in params):
         return False, None
     param = params[source.target]
-    if node.op == "call_function" and node.target is builtins.getattr and \
-            node.args[1] in _ATTRIBUTES:
+    if (
+        node.op == "call_function"
+        and node.target is builtins.getattr
+        and node.args[1] in _ATTRIBUTES
+    ):
         return True, getattr(param, node.args[1])
     if node.op == "call_method" and node.target in _METHODS:
         return True, getattr(param, node.target)(*node.args[1:], **node.kwargs)
@@ -53,8 +57,12 @@ def fold_parameter_metadata(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     folded: dict[fx.Node, object] = {}
     for node in list(gm.graph.nodes):
         is_meta, value = _metadata(node, params)
-        if not is_meta and node.op == "call_function" and node.target is operator.getitem \
-                and node.args[0] in folded:
+        if (
+            not is_meta
+            and node.op == "call_function"
+            and node.target is operator.getitem
+            and node.args[0] in folded
+        ):
             is_meta, value = True, folded[node.args[0]][node.args[1]]
         if is_meta:
             folded[node] = value

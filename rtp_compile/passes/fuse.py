@@ -18,6 +18,7 @@ only sizes or dtype) reaches the last layer: rotary tables an earlier block made
 sizes do not make that block's projections heads of this one.
 Attention blocks that are not fused are listed in `plan.unfused` with the reason.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,26 +29,27 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from rtp_compile.core.graph_ops import head_slice
 from rtp_compile.core.ir import RewriteKind, Split, UnitKind
+from rtp_compile.core.subgraph import extract_graph
 from rtp_compile.passes.analysis.cut_axis import CutWalk, NotExact, Rewrite, is_attention, op_kind
 from rtp_compile.passes.analysis.match import parameter_reads
 from rtp_compile.passes.manager.pipeline import graph_pass
 from rtp_compile.passes.plan import Plan, Unit, check_plan, unique_name
-from rtp_compile.core.subgraph import extract_graph
-from rtp_compile.core.graph_ops import head_slice
 
 
 @dataclasses.dataclass
 class Fusion:
     """The block a fused unit runs: its column-split heads, region and tail."""
-    heads: list[Unit]                  # column-split linears reading the block's input
-    tail: Unit                         # the linear reading the region's output, cut on inputs
-    region: list[str]                  # the ops between them, in graph order
-    groups: int                        # G: whole groups the cut axis holds (hidden units, kv heads)
-    externals: list[str]               # values from outside the block the region reads
+
+    heads: list[Unit]  # column-split linears reading the block's input
+    tail: Unit  # the linear reading the region's output, cut on inputs
+    region: list[str]  # the ops between them, in graph order
+    groups: int  # G: whole groups the cut axis holds (hidden units, kv heads)
+    externals: list[str]  # values from outside the block the region reads
     rewrites: dict[str, list[Rewrite]]  # region node -> its sizes / operands cut per shard
-    attention: bool                    # the region attends (SDPA, softmax, matmul of heads)
-    hidden: int                        # the tail's input width (what is never concatenated)
+    attention: bool  # the region attends (SDPA, softmax, matmul of heads)
+    hidden: int  # the tail's input width (what is never concatenated)
 
 
 def _linear_dims(unit: Unit) -> tuple[int, int]:
@@ -66,15 +68,19 @@ def _block_name(units: list[Unit]) -> str:
 
 
 def _is_head(unit: Unit) -> bool:
-    return unit.kind == UnitKind.ROTATE and unit.call.rule.name == "linear" and unit.mode == Split.COL
+    return (
+        unit.kind == UnitKind.ROTATE and unit.call.rule.name == "linear" and unit.mode == Split.COL
+    )
 
 
 def _is_metadata_read(node: fx.Node) -> bool:
     """A read of sizes, dtype or device only (x.size(), x.shape, x.dtype, aten.sym_size): it
     carries no gradient and none of the value's data."""
-    return op_kind(node) == "size" or (node.op == "call_function" and node.target is getattr
-                                       and node.args[1:2] in (("shape",), ("dtype",),
-                                                              ("device",)))
+    return op_kind(node) == "size" or (
+        node.op == "call_function"
+        and node.target is getattr
+        and node.args[1:2] in (("shape",), ("dtype",), ("device",))
+    )
 
 
 class BlockFinder:
@@ -90,11 +96,13 @@ class BlockFinder:
         # edges into a unit removed: ancestors in `stop_at_units` end at the nearest units
         self.stop_at_units = self.graph.copy()
         self.stop_at_units.remove_edges_from(
-            [(i, u) for u in self.units for i in self.graph.predecessors(u)])
+            [(i, u) for u in self.units for i in self.graph.predecessors(u)]
+        )
         # edges into metadata reads removed: ancestors in `gradient` are what a value's
         # gradient flows back to, descendants what depends on a value's data
-        metadata_reads = [(i, n) for n in gm.graph.nodes if _is_metadata_read(n)
-                          for i in n.all_input_nodes]
+        metadata_reads = [
+            (i, n) for n in gm.graph.nodes if _is_metadata_read(n) for i in n.all_input_nodes
+        ]
         self.gradient = self.graph.copy()
         self.gradient.remove_edges_from(metadata_reads)
         # both: ancestors in `data_to_units` are the nearest units a value's data comes from
@@ -108,43 +116,61 @@ class BlockFinder:
         `tail` and its input, or None where no column-split linear feeds it."""
         t_in = self.nodes[tail.call.input]
         # through data only: rotary tables made from an earlier block's q sizes bring no head
-        above = {t_in} if t_in in self.units else \
-            nx.ancestors(self.data_to_units, t_in) & set(self.units)
+        above = (
+            {t_in}
+            if t_in in self.units
+            else nx.ancestors(self.data_to_units, t_in) & set(self.units)
+        )
         heads = sorted((n for n in above if _is_head(self.units[n])), key=self.order.get)
         if not heads:
             return None
         # paths from a head to the tail's input that pass no other unit
         below = set().union(*(nx.descendants(self.stop_at_units, h) for h in heads))
-        region = sorted((below & (nx.ancestors(self.stop_at_units, t_in) | {t_in})) - set(heads),
-                        key=self.order.get)
+        region = sorted(
+            (below & (nx.ancestors(self.stop_at_units, t_in) | {t_in})) - set(heads),
+            key=self.order.get,
+        )
         return heads, region, any(is_attention(n) for n in region)
 
     def _read_only_inside(self, members: set, heads, tail_node) -> None:
         """NotExact naming the first value of the block read outside it, and why that stops the
         block: a value from the heads' data exists per shard only as its heads' slice."""
-        outside = {m: min(set(self.graph.successors(m)) - members - {tail_node},
-                          key=self.order.get, default=None) for m in members}
-        value = min((m for m, r in outside.items() if r is not None), key=self.order.get,
-                    default=None)
+        outside = {
+            m: min(
+                set(self.graph.successors(m)) - members - {tail_node},
+                key=self.order.get,
+                default=None,
+            )
+            for m in members
+        }
+        value = min(
+            (m for m, r in outside.items() if r is not None), key=self.order.get, default=None
+        )
         if value is None:
             return
         reader = outside[value].name
         if any(nx.has_path(self.gradient, h, value) for h in heads):
-            raise NotExact(f"{value.name}, computed from the heads, is also read outside the "
-                           f"block (by {reader}; k or v kept as a cache, attention weights "
-                           f"returned): a shard holds only its heads' slice of it")
-        raise NotExact(f"{value.name} is made from the sizes or dtype of the block's values (not "
-                       f"their data) and read outside it (by {reader}): at fx level they are not "
-                       f"known to be its input's; pass example_inputs (torch.export reads them "
-                       f"from the input)")
+            raise NotExact(
+                f"{value.name}, computed from the heads, is also read outside the "
+                f"block (by {reader}; k or v kept as a cache, attention weights "
+                f"returned): a shard holds only its heads' slice of it"
+            )
+        raise NotExact(
+            f"{value.name} is made from the sizes or dtype of the block's values (not "
+            f"their data) and read outside it (by {reader}): at fx level they are not "
+            f"known to be its input's; pass example_inputs (torch.export reads them "
+            f"from the input)"
+        )
 
     def check(self, tail: Unit, heads, region) -> CutWalk:
         """The cut walk of the block, or NotExact with the first reason it is not exact."""
         t_in, tail_node = self.nodes[tail.call.input], self.nodes[tail.node]
         units = [self.units[h] for h in heads]
         if len({u.call.input for u in units}) != 1:
-            raise NotExact("its heads read different inputs (q from one, k/v from another, as "
-                           "in cross-attention): a fused unit has one input")
+            raise NotExact(
+                "its heads read different inputs (q from one, k/v from another, as "
+                "in cross-attention): a fused unit has one input"
+            )
         if any(u not in self.plan.units for u in units):
             raise NotExact("a head already belongs to another fused block")
         members = set(region) | set(heads)
@@ -155,20 +181,26 @@ class BlockFinder:
         for ext in {i for n in region for i in n.all_input_nodes} - members:
             carriers = (nx.ancestors(self.gradient, ext) | {ext}) & self.weighted
             if carriers and not _is_metadata_read(ext):
-                raise NotExact(f"its operand {ext.name} is computed from parameters (through "
-                               f"{min(carriers, key=self.order.get).name}): the fused unit does "
-                               f"not carry that gradient out")
-        widths = {h: self.plan.params[u.params["weight"]].shape[_linear_dims(u)[0]]
-                  for h, u in zip(heads, units)}
+                raise NotExact(
+                    f"its operand {ext.name} is computed from parameters (through "
+                    f"{min(carriers, key=self.order.get).name}): the fused unit does "
+                    f"not carry that gradient out"
+                )
+        widths = {
+            h: self.plan.params[u.params["weight"]].shape[_linear_dims(u)[0]]
+            for h, u in zip(heads, units)
+        }
         hidden = self.plan.params[tail.params["weight"]].shape[_linear_dims(tail)[1]]
         walk = CutWalk(self.gm, region, widths, t_in, hidden)
         g, n = walk.groups(), self.plan.world_size
         # beyond what cutting the same width element by element pads anyway
         padding = math.ceil(g / n) * (hidden // g) / math.ceil(hidden / n) - 1 if g else 0
         if n > 1 and (g < 2 or padding > self.max_padding):
-            raise NotExact(f"only {g} whole head group(s) for {n} ranks: shards of whole "
-                           f"groups would add {padding:.0%} to the block's weights per rank "
-                           f"(fuse_padding allows {self.max_padding:.0%})")
+            raise NotExact(
+                f"only {g} whole head group(s) for {n} ranks: shards of whole "
+                f"groups would add {padding:.0%} to the block's weights per rank "
+                f"(fuse_padding allows {self.max_padding:.0%})"
+            )
         return walk
 
 
@@ -182,7 +214,9 @@ def fuse_blocks(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     (`Options.fixed_layouts`) otherwise than it is cut is not fused."""
     plan = ctx.plan
     finder = BlockFinder(gm, plan, ctx.options.fuse_padding)
-    for tail in [u for u in plan.units if u.kind == UnitKind.ROTATE and u.call.rule.name == "linear"]:
+    for tail in [
+        u for u in plan.units if u.kind == UnitKind.ROTATE and u.call.rule.name == "linear"
+    ]:
         if tail not in plan.units:
             continue
         found = finder.region_of(tail)
@@ -193,11 +227,20 @@ def fuse_blocks(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             if finder.readers[tail.params["weight"]] != 1:
                 raise NotExact("its output projection's weight is tied or read elsewhere")
             walk = finder.check(tail, heads, region)
-            externals = sorted({i for n in region for i in n.all_input_nodes} - set(region)
-                               - set(heads), key=finder.order.get)
-            fusion = Fusion([finder.units[h] for h in heads], tail, [n.name for n in region],
-                            walk.groups(), [e.name for e in externals], walk.rewrites,
-                            attention, walk.tail_width)
+            externals = sorted(
+                {i for n in region for i in n.all_input_nodes} - set(region) - set(heads),
+                key=finder.order.get,
+            )
+            fusion = Fusion(
+                [finder.units[h] for h in heads],
+                tail,
+                [n.name for n in region],
+                walk.groups(),
+                [e.name for e in externals],
+                walk.rewrites,
+                attention,
+                walk.tail_width,
+            )
             _keeps_fixed(_fused_layouts(plan, fusion), ctx.options.fixed)
         except NotExact as why:
             if attention:
@@ -213,10 +256,12 @@ def _fused_layouts(plan: Plan, fusion: Fusion) -> dict[str, tuple[int, int]]:
     inputs, every other layout on its outputs, in whole groups (a granule: one group's width
     in that layer)."""
     g, out = fusion.groups, {}
-    for unit, dim in [(h, _linear_dims(h)[0]) for h in fusion.heads] + \
-            [(fusion.tail, _linear_dims(fusion.tail)[1])]:
-        roles = unit.params.items() if unit is not fusion.tail else [("weight",
-                                                                     unit.params["weight"])]
+    for unit, dim in [(h, _linear_dims(h)[0]) for h in fusion.heads] + [
+        (fusion.tail, _linear_dims(fusion.tail)[1])
+    ]:
+        roles = (
+            unit.params.items() if unit is not fusion.tail else [("weight", unit.params["weight"])]
+        )
         for role, name in roles:
             d = dim if role == "weight" else 0
             out[name] = (d, plan.params[name].shape[d] // g)
@@ -227,9 +272,11 @@ def _keeps_fixed(layouts: dict[str, tuple[int, int]], fixed: dict[str, tuple]) -
     """NotExact where fusing would cut a parameter otherwise than it is already sharded."""
     moved = sorted(n for n, lay in layouts.items() if n in fixed and fixed[n] != lay)
     if moved:
-        raise NotExact(f"{moved[0]} is already sharded as (dim, granule) {fixed[moved[0]]} "
-                       f"(rtp_compile.shard or an earlier compiled graph); the block would cut "
-                       f"it as {layouts[moved[0]]}")
+        raise NotExact(
+            f"{moved[0]} is already sharded as (dim, granule) {fixed[moved[0]]} "
+            f"(rtp_compile.shard or an earlier compiled graph); the block would cut "
+            f"it as {layouts[moved[0]]}"
+        )
 
 
 def _record_fusion(plan: Plan, fusion: Fusion) -> None:
@@ -237,20 +284,32 @@ def _record_fusion(plan: Plan, fusion: Fusion) -> None:
     `_fused_layouts`."""
     for name, (d, granule) in _fused_layouts(plan, fusion).items():
         plan.params[name] = dataclasses.replace(plan.params[name], dim=d, granule=granule)
-    params = {f"head{i}.{role}": name for i, h in enumerate(fusion.heads)
-              for role, name in h.params.items()}
+    params = {
+        f"head{i}.{role}": name
+        for i, h in enumerate(fusion.heads)
+        for role, name in h.params.items()
+    }
     params.update({f"tail.{role}": name for role, name in fusion.tail.params.items()})
     for unit in fusion.heads + [fusion.tail]:
         plan.units.remove(unit)
     name = unique_name(_block_name(fusion.heads + [fusion.tail]), plan.names())
-    plan.units.append(Unit(name, fusion.tail.node, UnitKind.FUSED, params, fusion.tail.call,
-                           Split.ROW,
-                           target="+".join(u.target for u in fusion.heads + [fusion.tail]),
-                           fusion=fusion))
+    plan.units.append(
+        Unit(
+            name,
+            fusion.tail.node,
+            UnitKind.FUSED,
+            params,
+            fusion.tail.call,
+            Split.ROW,
+            target="+".join(u.target for u in fusion.heads + [fusion.tail]),
+            fusion=fusion,
+        )
+    )
 
 
 def _rewritten(graph: fx.Graph, args: list, kwargs: dict, rewrites, first, groups, g: int):
     """args / kwargs of one region node with its per-shard sizes and operands."""
+
     def per_group(size):
         return size // g
 
@@ -263,9 +322,11 @@ def _rewritten(graph: fx.Graph, args: list, kwargs: dict, rewrites, first, group
         else:
             start = graph.call_function(operator.mul, (first, per_group(r.size)))
             length = graph.call_function(operator.mul, (groups, per_group(r.size)))
-            new = graph.call_function(torch.narrow, (value, r.dim, start, length)) \
-                if r.kind == RewriteKind.SLICE else \
-                graph.call_function(head_slice, (value, r.dim, start, length, r.size, r.rank))
+            new = (
+                graph.call_function(torch.narrow, (value, r.dim, start, length))
+                if r.kind == RewriteKind.SLICE
+                else graph.call_function(head_slice, (value, r.dim, start, length, r.size, r.rank))
+            )
         if inner:
             seq = list(box[key])
             seq[inner[0]] = new
@@ -283,11 +344,18 @@ def region_body(gm: fx.GraphModule, fusion: Fusion) -> fx.GraphModule:
     first, groups = graph.placeholder("first_group"), graph.placeholder("groups")
 
     def per_shard(node, args, kwargs):
-        _rewritten(graph, args, kwargs, fusion.rewrites.get(node.name, []), first, groups,
-                   fusion.groups)
+        _rewritten(
+            graph, args, kwargs, fusion.rewrites.get(node.name, []), first, groups, fusion.groups
+        )
 
-    inputs = [(nodes[h.node], f"head{i}") for i, h in enumerate(fusion.heads)] + \
-        [(nodes[name], name) for name in fusion.externals]
-    extract_graph(inputs, [nodes[name] for name in fusion.region],
-                  nodes[fusion.tail.call.input], graph, per_shard)
+    inputs = [(nodes[h.node], f"head{i}") for i, h in enumerate(fusion.heads)] + [
+        (nodes[name], name) for name in fusion.externals
+    ]
+    extract_graph(
+        inputs,
+        [nodes[name] for name in fusion.region],
+        nodes[fusion.tail.call.input],
+        graph,
+        per_shard,
+    )
     return fx.GraphModule(torch.nn.Module(), graph, class_name="FusedRegion")

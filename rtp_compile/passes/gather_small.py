@@ -13,6 +13,7 @@ Invariant: a parameter is small only if every unit that reads it is small (nothi
 rotated and held whole); layouts are unchanged, so shards, optimizer state and checkpoints stay
 1/N of every parameter.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,9 @@ def _check(gm: fx.GraphModule, ctx) -> None:
     check_plan(gm, ctx)
     units = ctx.plan.units
     small = {p for u in units if u.kind == UnitKind.SMALL for p in u.params.values()}
-    mixed = sorted({p for u in units if u.kind != UnitKind.SMALL for p in u.params.values()} & small)
+    mixed = sorted(
+        {p for u in units if u.kind != UnitKind.SMALL for p in u.params.values()} & small
+    )
     if mixed:
         raise InvariantError(f"parameters both small and rotated or gathered: {mixed}")
     if any(u.kind == UnitKind.SMALL and u.call.rule.name != "elementwise" for u in units):
@@ -39,16 +42,23 @@ def _check(gm: fx.GraphModule, ctx) -> None:
 
 def unit_bytes(plan, unit) -> int:
     """The full (unsharded) bytes of a unit's parameters."""
-    return sum(math.prod(plan.params[p].shape) * plan.params[p].dtype.itemsize
-               for p in unit.params.values())
+    return sum(
+        math.prod(plan.params[p].shape) * plan.params[p].dtype.itemsize
+        for p in unit.params.values()
+    )
 
 
 @graph_pass(check=_check, plans_only=True)
 def gather_small_params(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Mark, in `ctx.plan`, the elementwise units of at most `small_param_bytes` as small."""
     plan, limit = ctx.plan, ctx.options.small_param_bytes
-    candidates = {u.name for u in plan.units if u.kind == UnitKind.ROTATE
-                  and u.call.rule.name == "elementwise" and unit_bytes(plan, u) <= limit}
+    candidates = {
+        u.name
+        for u in plan.units
+        if u.kind == UnitKind.ROTATE
+        and u.call.rule.name == "elementwise"
+        and unit_bytes(plan, u) <= limit
+    }
     elsewhere = {p for u in plan.units if u.name not in candidates for p in u.params.values()}
     for unit in plan.units:
         if unit.name in candidates and not set(unit.params.values()) & elsewhere:

@@ -11,6 +11,7 @@ table is left (others, e.g. nn.MultiheadAttention, stay `call_module` and are ga
 parameter is read by its canonical name (a tied module's alias too). Function level only: an
 exported graph has no module calls.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -20,9 +21,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from rtp_compile.core.graph_ops import batch_norm_module
 from rtp_compile.passes.analysis.match import canonical_reads
 from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
-from rtp_compile.core.graph_ops import batch_norm_module
 
 
 def _conv_fn(m):
@@ -35,14 +36,28 @@ def _lower_conv(m, x, read, emit):
     if isinstance(m, nn.modules.conv._ConvTransposeNd):
         if m.padding_mode != "zeros":
             return None
-        return _conv_fn(m), (x, read("weight"), read("bias"), m.stride, m.padding,
-                             m.output_padding, m.groups, m.dilation)
+        return _conv_fn(m), (
+            x,
+            read("weight"),
+            read("bias"),
+            m.stride,
+            m.padding,
+            m.output_padding,
+            m.groups,
+            m.dilation,
+        )
     if m.padding_mode != "zeros":
         padded = emit(F.pad, (x, m._reversed_padding_repeated_twice), {"mode": m.padding_mode})
-        return _conv_fn(m), (padded, read("weight"), read("bias"), m.stride,
-                             (0,) * len(m.kernel_size), m.dilation, m.groups)
-    return _conv_fn(m), (x, read("weight"), read("bias"), m.stride, m.padding, m.dilation,
-                         m.groups)
+        return _conv_fn(m), (
+            padded,
+            read("weight"),
+            read("bias"),
+            m.stride,
+            (0,) * len(m.kernel_size),
+            m.dilation,
+            m.groups,
+        )
+    return _conv_fn(m), (x, read("weight"), read("bias"), m.stride, m.padding, m.dilation, m.groups)
 
 
 def _lower(m: nn.Module, x, read, training, emit):
@@ -52,8 +67,15 @@ def _lower(m: nn.Module, x, read, training, emit):
     if isinstance(m, nn.modules.conv._ConvNd):
         return _lower_conv(m, x, read, emit)
     if type(m) is nn.Embedding:
-        return F.embedding, (x, read("weight"), m.padding_idx, m.max_norm, m.norm_type,
-                             m.scale_grad_by_freq, m.sparse)
+        return F.embedding, (
+            x,
+            read("weight"),
+            m.padding_idx,
+            m.max_norm,
+            m.norm_type,
+            m.scale_grad_by_freq,
+            m.sparse,
+        )
     if type(m) is nn.LayerNorm:
         return F.layer_norm, (x, m.normalized_shape, read("weight"), read("bias"), m.eps)
     if type(m) is nn.RMSNorm:
@@ -61,11 +83,24 @@ def _lower(m: nn.Module, x, read, training, emit):
     if type(m) is nn.GroupNorm:
         return F.group_norm, (x, m.num_groups, read("weight"), read("bias"), m.eps)
     if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm):
-        return batch_norm_module, (x, read("running_mean"), read("running_var"),
-                                   read("num_batches_tracked"), read("weight"), read("bias"),
-                                   training, m.momentum, m.eps, m.track_running_stats)
-    dropouts = {nn.Dropout: F.dropout, nn.Dropout1d: F.dropout1d, nn.Dropout2d: F.dropout2d,
-                nn.Dropout3d: F.dropout3d}
+        return batch_norm_module, (
+            x,
+            read("running_mean"),
+            read("running_var"),
+            read("num_batches_tracked"),
+            read("weight"),
+            read("bias"),
+            training,
+            m.momentum,
+            m.eps,
+            m.track_running_stats,
+        )
+    dropouts = {
+        nn.Dropout: F.dropout,
+        nn.Dropout1d: F.dropout1d,
+        nn.Dropout2d: F.dropout2d,
+        nn.Dropout3d: F.dropout3d,
+    }
     if type(m) in dropouts:
         return dropouts[type(m)], (x, m.p, training, m.inplace)
     if type(m) is nn.GELU:
@@ -113,12 +148,12 @@ def lower_modules(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 target = f"{prefix}.{name}"
                 return graph.get_attr(canonical.get(target, target)) if value is not None else None
 
-            new = graph.call_function(*_lower(module, node.args[0], read, training,
-                                              graph.call_function))
+            new = graph.call_function(
+                *_lower(module, node.args[0], read, training, graph.call_function)
+            )
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
     graph.eliminate_dead_code(is_impure_node=lambda n: n.op != "get_attr")
     gm.recompile()
     return gm
-

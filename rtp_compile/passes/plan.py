@@ -9,6 +9,7 @@ layout is fixed (`Options.fixed_layouts`: already sharded, by `rtp_compile.shard
 compile backend transformed before) keeps that dim and granule; a use that cannot shard along
 it is gathered.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,29 +21,31 @@ import torch.fx as fx
 from rtp_compile.core.ir import Split, UnitKind, target_name
 from rtp_compile.core.layout import ParamLayout
 from rtp_compile.core.op_rules import OpCall
+from rtp_compile.core.tables import format_table
 from rtp_compile.passes.analysis.chains import chain_input, dtype_inputs
 from rtp_compile.passes.analysis.match import match_op, parameter_reads, why_not_sharded
 from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
-from rtp_compile.core.tables import format_table
 
 
 @dataclass
 class Unit:
     """One weight-bearing node of the graph and how it runs."""
-    name: str                            # attribute-safe, unique
-    node: str                            # node name in the captured graph
+
+    name: str  # attribute-safe, unique
+    node: str  # node name in the captured graph
     kind: UnitKind
-    params: dict[str, str]               # role -> parameter name
-    call: OpCall | None = None           # rotate: the rule view of the node
-    mode: Split | str | None = None      # rotate: the rule's mode (a Split, or elementwise "dimK")
-    reason: str = ""                     # gather: why it was not rotated
-    target: str = ""                     # what the node calls, for reports
-    fusion: object = None                # fused: the block it runs (passes.fuse.Fusion)
+    params: dict[str, str]  # role -> parameter name
+    call: OpCall | None = None  # rotate: the rule view of the node
+    mode: Split | str | None = None  # rotate: the rule's mode (a Split, or elementwise "dimK")
+    reason: str = ""  # gather: why it was not rotated
+    target: str = ""  # what the node calls, for reports
+    fusion: object = None  # fused: the block it runs (passes.fuse.Fusion)
 
 
 @dataclass
 class Plan:
     """The sharding plan of a model for `world_size` ranks."""
+
     world_size: int
     params: dict[str, ParamLayout]
     units: list[Unit] = field(default_factory=list)
@@ -65,18 +68,28 @@ class Plan:
         rows = [("parameter", "shape", "strategy", "dim", "units", "shard", "bytes/rank")]
         for name, lay in self.params.items():
             units = ",".join(u.name for u in self.units_of(name)) or "-"
-            rows.append((name, "x".join(map(str, lay.shape)) or "scalar", self.strategy(name),
-                         "flat" if lay.dim is None else str(lay.dim), units,
-                         "x".join(map(str, lay.shard_shape)), f"{lay.shard_bytes:,}"))
+            rows.append(
+                (
+                    name,
+                    "x".join(map(str, lay.shape)) or "scalar",
+                    self.strategy(name),
+                    "flat" if lay.dim is None else str(lay.dim),
+                    units,
+                    "x".join(map(str, lay.shard_shape)),
+                    f"{lay.shard_bytes:,}",
+                )
+            )
         lines = [format_table(rows, align="left")]
         total = sum(lay.shard_bytes for lay in self.params.values())
-        lines.append(f"world size {self.world_size}: {len(self.params)} parameters, "
-                     f"{sum(u.kind == UnitKind.ROTATE for u in self.units)} rotated ops, "
-                     f"{sum(u.kind == UnitKind.FUSED for u in self.units)} fused blocks, "
-                     f"{sum(u.kind == UnitKind.GATHER for u in self.units)} gathered ops, "
-                     f"{sum(u.kind == UnitKind.SMALL for u in self.units)} small ones gathered per "
-                     f"step, "
-                     f"{total:,} parameter bytes per rank")
+        lines.append(
+            f"world size {self.world_size}: {len(self.params)} parameters, "
+            f"{sum(u.kind == UnitKind.ROTATE for u in self.units)} rotated ops, "
+            f"{sum(u.kind == UnitKind.FUSED for u in self.units)} fused blocks, "
+            f"{sum(u.kind == UnitKind.GATHER for u in self.units)} gathered ops, "
+            f"{sum(u.kind == UnitKind.SMALL for u in self.units)} small ones gathered per "
+            f"step, "
+            f"{total:,} parameter bytes per rank"
+        )
         return "\n".join(lines)
 
 
@@ -100,8 +113,12 @@ def parameter_only_nodes(gm: fx.GraphModule, reads: dict[fx.Node, str]) -> nx.Di
     for node in gm.graph.nodes:
         inputs, dtypes = node.all_input_nodes, dtype_inputs(node)
         values = [i for i in inputs if i not in dtypes]
-        if node.op in ("call_function", "call_method") and values and \
-                all(i in only or i in constant for i in values) and any(i in only for i in values):
+        if (
+            node.op in ("call_function", "call_method")
+            and values
+            and all(i in only or i in constant for i in values)
+            and any(i in only for i in values)
+        ):
             only.add_edges_from((i, node) for i in inputs if i in only)
     return only
 
@@ -137,13 +154,17 @@ def check_plan(gm: fx.GraphModule, ctx) -> None:
 def plan_sharding(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Write into `ctx.plan` a layout for every parameter and a unit for every weight-bearing
     node (the graph is unchanged)."""
-    ctx.plan = make_plan(gm, ctx.world_size, ctx.params, ctx.aliases,
-                         ctx.options.fixed)
+    ctx.plan = make_plan(gm, ctx.world_size, ctx.params, ctx.aliases, ctx.options.fixed)
     return gm
 
 
-def make_plan(gm: fx.GraphModule, world_size: int, params: dict[str, torch.Tensor],
-              aliases: dict[str, list[str]], fixed: dict[str, tuple] | None = None) -> Plan:
+def make_plan(
+    gm: fx.GraphModule,
+    world_size: int,
+    params: dict[str, torch.Tensor],
+    aliases: dict[str, list[str]],
+    fixed: dict[str, tuple] | None = None,
+) -> Plan:
     """Choose a layout for every parameter and a unit for every weight-bearing node.
 
     `params`: the model's parameters by canonical name; `aliases`: every name of each;
@@ -153,8 +174,10 @@ def make_plan(gm: fx.GraphModule, world_size: int, params: dict[str, torch.Tenso
     reads = parameter_reads(gm)
     param_only = parameter_only_nodes(gm, reads)
     canonical = {alias: canon for canon, names in aliases.items() for alias in names}
-    module_params = {target: [canonical.get(n, n) for n in names]  # a tied module: its alias
-                     for target, names in _leaf_module_params(gm).items()}
+    module_params = {
+        target: [canonical.get(n, n) for n in names]  # a tied module: its alias
+        for target, names in _leaf_module_params(gm).items()
+    }
     shapes = {name: tuple(p.shape) for name, p in params.items()}
     order = list(shapes)
 
@@ -171,19 +194,31 @@ def make_plan(gm: fx.GraphModule, world_size: int, params: dict[str, torch.Tenso
         if node.op == "output":
             raise ValueError(
                 f"rtp_compile: the model returns parameter(s) {sorted(names)} (or values computed "
-                "from parameters alone) directly; return them from a module call instead.")
+                "from parameters alone) directly; return them from a module call instead."
+            )
         consumers[node] = sorted(names, key=order.index)
         call = match_op(node, gm, reads) if node.op == "call_function" else None
         inside = set(closure)  # the op's reads and what its rule applies to them (w.t(), 1 + w)
-        if call is not None and set(call.params.values()) == set(names) and \
-                all(n in reads or (chain_input(n) or n.args[0]) in inside for n in closure):
+        if (
+            call is not None
+            and set(call.params.values()) == set(names)
+            and all(n in reads or (chain_input(n) or n.args[0]) in inside for n in closure)
+        ):
             calls[node] = call
 
     dims = _choose_dims(calls, shapes, fixed)
-    layouts = {name: ParamLayout(name, shapes[name], p.dtype, world_size, dims.get(name),
-                                 tuple(aliases.get(name, [name])),
-                                 fixed[name][1] if name in fixed else 1)
-               for name, p in params.items()}
+    layouts = {
+        name: ParamLayout(
+            name,
+            shapes[name],
+            p.dtype,
+            world_size,
+            dims.get(name),
+            tuple(aliases.get(name, [name])),
+            fixed[name][1] if name in fixed else 1,
+        )
+        for name, p in params.items()
+    }
     plan = Plan(world_size, layouts)
     taken: set[str] = set()
     for node, names in consumers.items():
@@ -191,24 +226,41 @@ def make_plan(gm: fx.GraphModule, world_size: int, params: dict[str, torch.Tenso
         mode = _mode_for(call, dims, shapes) if call else None
         if mode is not None:
             base = call.params.get("weight") or next(iter(call.params.values()))
-            plan.units.append(Unit(unique_name(base.rpartition(".")[0] or node.name, taken),
-                                   node.name,
-                                   UnitKind.ROTATE, dict(call.params), call, mode,
-                                   target=target_name(node)))
+            plan.units.append(
+                Unit(
+                    unique_name(base.rpartition(".")[0] or node.name, taken),
+                    node.name,
+                    UnitKind.ROTATE,
+                    dict(call.params),
+                    call,
+                    mode,
+                    target=target_name(node),
+                )
+            )
             continue
         if call is not None and fixed.keys() & set(call.params.values()):
-            reason = ("it cannot shard along the dim its parameter was already sharded on "
-                      "(rtp_compile.shard, or an earlier compiled graph)")
+            reason = (
+                "it cannot shard along the dim its parameter was already sharded on "
+                "(rtp_compile.shard, or an earlier compiled graph)"
+            )
         elif call is not None:
             reason = "its shard dims conflict with the layout its tied parameter needs elsewhere"
         elif match_op(node, gm, reads) is not None:
             reason = "it reads parameters through ops the rule cannot shard"
         else:
             reason = why_not_sharded(node, gm, reads, closures[node])
-        plan.units.append(Unit(unique_name(f"{node.name}_gather", taken), node.name,
-                               UnitKind.GATHER,
-                               {f"param{i}": p for i, p in enumerate(names)}, None, None, reason,
-                               target_name(node)))
+        plan.units.append(
+            Unit(
+                unique_name(f"{node.name}_gather", taken),
+                node.name,
+                UnitKind.GATHER,
+                {f"param{i}": p for i, p in enumerate(names)},
+                None,
+                None,
+                reason,
+                target_name(node),
+            )
+        )
     return plan
 
 
@@ -217,7 +269,9 @@ def _leaf_module_params(gm: fx.GraphModule) -> dict[str, list[str]]:
     out = {}
     for node in gm.graph.nodes:
         if node.op == "call_module":
-            names = [f"{node.target}.{n}" for n, _ in gm.get_submodule(node.target).named_parameters()]
+            names = [
+                f"{node.target}.{n}" for n, _ in gm.get_submodule(node.target).named_parameters()
+            ]
             if names:
                 out[node.target] = names
     return out

@@ -13,6 +13,7 @@ op can see a shard where it expects the full tensor; every rotated or fused unit
 has its marker, every fused or gathered one its body in `ctx.bodies`. Every marker is labelled
 `NodeLabel(unit, None, kind)` (`core.ir`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -21,13 +22,22 @@ import operator
 import torch
 import torch.fx as fx
 
-from rtp_compile.core.ir import (NodeLabel, UnitKind, fused_block, gathered_op, gathered_small,
-                                label_of, rotated_op, set_label, unit_of)
+from rtp_compile.core.ir import (
+    NodeLabel,
+    UnitKind,
+    fused_block,
+    gathered_op,
+    gathered_small,
+    label_of,
+    rotated_op,
+    set_label,
+    unit_of,
+)
+from rtp_compile.core.subgraph import extract_graph
+from rtp_compile.passes.analysis.match import parameter_reads
 from rtp_compile.passes.fuse import region_body
 from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
 from rtp_compile.passes.plan import consumer_closure, parameter_only_nodes
-from rtp_compile.core.subgraph import extract_graph
-from rtp_compile.passes.analysis.match import parameter_reads
 
 
 def _meta_copy(value):
@@ -42,16 +52,18 @@ def _meta_copy(value):
     return value
 
 
-def gather_body(gm: fx.GraphModule, node: fx.Node,
-                closure: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
+def gather_body(
+    gm: fx.GraphModule, node: fx.Node, closure: list[fx.Node]
+) -> tuple[fx.GraphModule, list[fx.Node]]:
     """The gathered op and its parameter-only inputs as a GraphModule over its other inputs.
 
     Its parameters are meta tensors: the GatheredOpRuntime passes the gathered ones to
     functional_call.
     """
     inside = set(closure)
-    inputs = list(dict.fromkeys(i for n in (*closure, node) for i in n.all_input_nodes
-                                if i not in inside))
+    inputs = list(
+        dict.fromkeys(i for n in (*closure, node) for i in n.all_input_nodes if i not in inside)
+    )
     graph = extract_graph([(i, i.name) for i in inputs], closure + [node], node)
     root = {}
     for n in graph.nodes:
@@ -63,8 +75,9 @@ def gather_body(gm: fx.GraphModule, node: fx.Node,
 MARKERS = {rotated_op: UnitKind.ROTATE, fused_block: UnitKind.FUSED, gathered_op: UnitKind.GATHER}
 
 
-def _gather_small(graph: fx.Graph, first: fx.Node, params: list[str],
-                  units: list[str]) -> dict[str, fx.Node]:
+def _gather_small(
+    graph: fx.Graph, first: fx.Node, params: list[str], units: list[str]
+) -> dict[str, fx.Node]:
     """Before `first` (the first small op, or op of a small parameter's chain): one
     gathered_small node over every small parameter, and a getitem per parameter (its whole
     tensor, named `<parameter>_full` so the code reads which one an op takes)."""
@@ -116,8 +129,11 @@ def rotate(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     small = [u for u in plan.units if u.kind == UnitKind.SMALL]
     small_params = list(dict.fromkeys(p for u in small for p in u.params.values()))
     # a small op and its parameter chain stay; they read the gathered whole tensors
-    small_ops = {n: consumer_closure(n, param_only) for n in graph.nodes
-                 if n.name in by_node and by_node[n.name].kind == UnitKind.SMALL}
+    small_ops = {
+        n: consumer_closure(n, param_only)
+        for n in graph.nodes
+        if n.name in by_node and by_node[n.name].kind == UnitKind.SMALL
+    }
     if small_ops:
         chained = {n for closure in small_ops.values() for n in closure if n not in reads}
         first = next(n for n in graph.nodes if n in small_ops or n in chained)
@@ -133,8 +149,10 @@ def rotate(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             param_reads = [graph.get_attr(p) for p in unit.params.values()]
             if unit.kind == UnitKind.ROTATE:
                 x = by_name[unit.call.input]
-                externals = [graph.call_function(getattr, (by_name[e], attr)) if attr
-                             else by_name[e] for e, attr in unit.call.externals]
+                externals = [
+                    graph.call_function(getattr, (by_name[e], attr)) if attr else by_name[e]
+                    for e, attr in unit.call.externals
+                ]
                 marker = graph.call_function(rotated_op, (unit.name, x, *param_reads, *externals))
             elif unit.kind == UnitKind.FUSED:
                 bodies[unit.name] = region_body(gm, unit.fusion)
@@ -151,7 +169,9 @@ def rotate(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         node.replace_all_uses_with(marker)
         by_name[node.name] = marker
         graph.erase_node(node)
-        if unit.kind == UnitKind.FUSED:  # the block's hidden ops and first layers now live in the unit
+        if (
+            unit.kind == UnitKind.FUSED
+        ):  # the block's hidden ops and first layers now live in the unit
             for name in [*reversed(unit.fusion.region), *(h.node for h in unit.fusion.heads)]:
                 graph.erase_node(by_name[name])
     # only the parameter reads and parameter-only ops the units took over may go

@@ -20,6 +20,7 @@ Invariant (DESIGN.md 3, checked on the graph after the pass): every start preced
 it overlaps, every wait comes after that compute and before the step that uses what it
 receives; every unit has its schedule; parameters are read only by the nodes of units.
 """
+
 from __future__ import annotations
 
 import operator
@@ -28,14 +29,26 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
-from rtp_compile.core.ir import (LABEL_KEY, Action, NodeLabel, UnitKind, bucket_params,
-                                 checkpoint_region, fused_block, label_of, rotated_op, set_label,
-                                 unit_autograd, unit_combine, unit_step)
+from rtp_compile.core.graph_ops import expect_dtype
+from rtp_compile.core.ir import (
+    LABEL_KEY,
+    Action,
+    NodeLabel,
+    UnitKind,
+    bucket_params,
+    checkpoint_region,
+    fused_block,
+    label_of,
+    rotated_op,
+    set_label,
+    unit_autograd,
+    unit_combine,
+    unit_step,
+)
 from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
 from rtp_compile.passes.rotate import parameters_read_only_by_units
 from rtp_compile.runtime import packing, ring  # noqa: F401 (ring registers torch.ops.rtp.*)
 from rtp_compile.runtime.events import Event, UnitSchedule
-from rtp_compile.core.graph_ops import expect_dtype
 
 
 def forward_schedule(world_size: int) -> list[Event]:
@@ -50,8 +63,9 @@ def forward_schedule(world_size: int) -> list[Event]:
     return events
 
 
-def backward_schedule(world_size: int, fetch_tag: int | None = None,
-                      grad_tag: int | None = None) -> list[Event]:
+def backward_schedule(
+    world_size: int, fetch_tag: int | None = None, grad_tag: int | None = None
+) -> list[Event]:
     """Reverse steps j = 0..N-1 (forward step N-1-j).
 
     fetch_start(j)/fetch_wait(j): the weight shard for step j arrives from rank+1 (the last step
@@ -65,15 +79,21 @@ def backward_schedule(world_size: int, fetch_tag: int | None = None,
     """
     n = world_size
     own = n - 1
-    events = [Event(Action.FETCH_START, 0, fetch_tag), Event(Action.INPUT_GRAD, own)] if n > 1 else []
+    events = (
+        [Event(Action.FETCH_START, 0, fetch_tag), Event(Action.INPUT_GRAD, own)] if n > 1 else []
+    )
     for j in range(n - 1):
         events.append(Event(Action.FETCH_WAIT, j))
         if j == n - 2:
             events.append(Event(Action.RELEASE, j))
         if j + 1 < n - 1:
             events.append(Event(Action.FETCH_START, j + 1, fetch_tag))
-        events += [Event(Action.INPUT_GRAD, j), Event(Action.RECEIVE_GRAD, j), Event(Action.WEIGHT_GRAD, j),
-                   Event(Action.PASS, j, grad_tag)]
+        events += [
+            Event(Action.INPUT_GRAD, j),
+            Event(Action.RECEIVE_GRAD, j),
+            Event(Action.WEIGHT_GRAD, j),
+            Event(Action.PASS, j, grad_tag),
+        ]
     if n == 1:
         events.append(Event(Action.INPUT_GRAD, own))
     return events + [Event(Action.RECEIVE_GRAD, own), Event(Action.WEIGHT_GRAD, own)]
@@ -86,8 +106,11 @@ def bucket_backward_schedule(world_size: int, fetch_tag: int | None = None) -> l
     others find them done); each step's gradient goes into the bucket's rows, which the bucket
     reduce-scatters after its last unit (`done`)."""
     n, own = world_size, world_size - 1
-    events = [Event(Action.FETCH_START, 0, fetch_tag), Event(Action.INPUT_GRAD, own),
-              Event(Action.WEIGHT_GRAD, own)]
+    events = [
+        Event(Action.FETCH_START, 0, fetch_tag),
+        Event(Action.INPUT_GRAD, own),
+        Event(Action.WEIGHT_GRAD, own),
+    ]
     for j in range(n - 1):
         events.append(Event(Action.FETCH_WAIT, j))
         if j + 1 < n - 1:
@@ -120,6 +143,7 @@ def _message(specs, tag: int) -> dict:
 class Expanded:
     """Where a unit's (or bucket's) forward steps lie: its first hop (the own shards' reads and
     detaches and the start), its last step, and the bytes of its message."""
+
     first_hop: list[fx.Node]
     last_step: fx.Node
     message_bytes: int
@@ -131,18 +155,23 @@ class _Member:
     """One unit of what `_expand` writes: its marker's arguments, split. Its input and
     externals are read from the marker when used: an earlier unit of its bucket, finished
     first, may have replaced the node that computes them."""
+
     marker: fx.Node
     unit: object
     params: list
     masters: list  # the shards' own dtypes
-    specs: list    # (shape, dtype) of the shards as they rotate: in their compute dtype
+    specs: list  # (shape, dtype) of the shards as they rotate: in their compute dtype
 
     @classmethod
     def of(cls, marker, unit, plan, precision):
         layouts = [plan.params[p] for p in unit.params.values()]
-        return cls(marker, unit, list(marker.args[2:2 + len(unit.params)]),
-                   [lay.dtype for lay in layouts],
-                   [(lay.shard_shape, precision.compute(lay.dtype)) for lay in layouts])
+        return cls(
+            marker,
+            unit,
+            list(marker.args[2 : 2 + len(unit.params)]),
+            [lay.dtype for lay in layouts],
+            [(lay.shard_shape, precision.compute(lay.dtype)) for lay in layouts],
+        )
 
     @property
     def x(self) -> fx.Node:
@@ -150,7 +179,7 @@ class _Member:
 
     @property
     def externals(self) -> list:
-        return list(self.marker.args[2 + len(self.unit.params):])
+        return list(self.marker.args[2 + len(self.unit.params) :])
 
     def label(self, r: str, k: int) -> str:
         return f"{self.unit.name}_{r.replace('.', '_')}{k}"
@@ -163,8 +192,13 @@ def _finish(graph, tracer, member: _Member, x_in, parts: list[fx.Node]) -> None:
     tracer.label = NodeLabel(name, len(parts) - 1, Action.COMBINE)
     y = create("call_function", unit_combine, (name, parts), {}, name=f"{name}_out")
     tracer.label = NodeLabel(name, None, member.unit.kind)
-    link = create("call_function", unit_autograd,
-                  (name, y, member.x, *member.params, *member.externals), {}, name=name)
+    link = create(
+        "call_function",
+        unit_autograd,
+        (name, y, member.x, *member.params, *member.externals),
+        {},
+        name=name,
+    )
     for node in (*parts, y, link):
         node.meta["is_wrapped"] = True  # fx records a marker as a call when re-tracing (pickle)
     link.meta.update({k: v for k, v in member.marker.meta.items() if k != LABEL_KEY})
@@ -175,12 +209,18 @@ def _finish(graph, tracer, member: _Member, x_in, parts: list[fx.Node]) -> None:
 def _step(tracer, member: _Member, k: int, x_in, held: list[fx.Node]) -> fx.Node:
     name = member.unit.name
     tracer.label = NodeLabel(name, k, Action.COMPUTE)
-    return tracer.create_node("call_function", unit_step,
-                              (name, k, x_in, *held, *member.externals), {}, name=f"{name}_y{k}")
+    return tracer.create_node(
+        "call_function",
+        unit_step,
+        (name, k, x_in, *held, *member.externals),
+        {},
+        name=f"{name}_y{k}",
+    )
 
 
-def _own_shard(create, param: fx.Node, master: torch.dtype, compute: torch.dtype,
-               name: str) -> list[fx.Node]:
+def _own_shard(
+    create, param: fx.Node, master: torch.dtype, compute: torch.dtype, name: str
+) -> list[fx.Node]:
     """The rank's own shard as its unit's step 0 reads and its first hop sends it: detached,
     and cast once to its compute dtype (mixed precision: the ring carries that dtype). The
     nodes made, the shard last."""
@@ -203,8 +243,9 @@ def _unit_input(create, member: _Member) -> fx.Node:
     return create("call_function", expect_dtype, (x, compute, unit.name, what), {}, name=name)
 
 
-def _expand(graph: fx.Graph, members: list[_Member], n: int, tag: int,
-            bucket: str | None = None) -> Expanded:
+def _expand(
+    graph: fx.Graph, members: list[_Member], n: int, tag: int, bucket: str | None = None
+) -> Expanded:
     """The forward steps of one unit, or of a bucket's units, before their markers (which they
     replace). A bucket's parameters first pass through `bucket_params`; its first unit's steps
     carry the hops of every unit's shards, the later units compute from what arrived."""
@@ -217,23 +258,33 @@ def _expand(graph: fx.Graph, members: list[_Member], n: int, tag: int,
         first = [p for m in members for p in m.params]
         if bucket is not None:
             tracer.label = NodeLabel(lead.unit.name, 0, Action.BUCKET, bucket=bucket)
-            through = create("call_function", bucket_params, (bucket, *first), {},
-                             name=f"{bucket}_params")
+            through = create(
+                "call_function", bucket_params, (bucket, *first), {}, name=f"{bucket}_params"
+            )
             through.meta["is_wrapped"] = True  # a call when fx re-traces it (pickle)
             for read in first:  # the later units' parameter reads move up to it
                 through.prepend(read)
             first.append(through)
             index = iter(range(len(specs)))
             for m in members:
-                m.params = [create("call_function", operator.getitem, (through, next(index)),
-                                   {}, name=m.label(r, "_param")) for r in m.unit.params]
+                m.params = [
+                    create(
+                        "call_function",
+                        operator.getitem,
+                        (through, next(index)),
+                        {},
+                        name=m.label(r, "_param"),
+                    )
+                    for r in m.unit.params
+                ]
                 first += m.params
         arrived: dict[int, dict[str, list[fx.Node]]] = {0: {}}
         for m in members:
             tracer.label = NodeLabel(m.unit.name, 0, Action.DETACH)
-            own = [_own_shard(create, p, master, compute, m.label(r, 0))
-                   for p, r, master, (_, compute) in zip(m.params, m.unit.params, m.masters,
-                                                         m.specs)]
+            own = [
+                _own_shard(create, p, master, compute, m.label(r, 0))
+                for p, r, master, (_, compute) in zip(m.params, m.unit.params, m.masters, m.specs)
+            ]
             arrived[0][m.unit.name] = [nodes[-1] for nodes in own]
             first += [node for nodes in own for node in nodes]
         held = [d for m in members for d in arrived[0][m.unit.name]]
@@ -245,21 +296,35 @@ def _expand(graph: fx.Graph, members: list[_Member], n: int, tag: int,
             tracer.label = NodeLabel(lead.unit.name, k, event.action)
             if event.action == Action.START:
                 tracer.label = replace(tracer.label, bucket=bucket, **message)
-                received = create("call_function", torch.ops.rtp.ring_shift_start.default,
-                                  (held, "", 1, tag, f"{hop} step {k}"), {},
-                                  name=f"{hop}_recv{k}")
+                received = create(
+                    "call_function",
+                    torch.ops.rtp.ring_shift_start.default,
+                    (held, "", 1, tag, f"{hop} step {k}"),
+                    {},
+                    name=f"{hop}_recv{k}",
+                )
                 if k == 1:
                     first.append(received)
             elif event.action == Action.WAIT:  # what arrived is read only through the wait
-                arrival = create("call_function", torch.ops.rtp.ring_wait.default,
-                                 (received, held), {}, name=f"{hop}_wait{k}")
+                arrival = create(
+                    "call_function",
+                    torch.ops.rtp.ring_wait.default,
+                    (received, held),
+                    {},
+                    name=f"{hop}_wait{k}",
+                )
                 if k == n - 1:  # the last hop: no buffer waits idle through compute
-                    create("call_function", torch.ops.rtp.ring_release.default, (arrival,), {},
-                           name=f"{hop}_release")
+                    create(
+                        "call_function",
+                        torch.ops.rtp.ring_release.default,
+                        (arrival,),
+                        {},
+                        name=f"{hop}_release",
+                    )
                 held = [v.node for v in packing.unpack(fx.Proxy(arrival, tracer), specs)]
                 arrived[k], at = {}, 0
                 for m in members:
-                    arrived[k][m.unit.name] = held[at:at + len(m.specs)]
+                    arrived[k][m.unit.name] = held[at : at + len(m.specs)]
                     for view, r in zip(arrived[k][m.unit.name], m.unit.params):
                         view._rename(m.label(r, k))
                     at += len(m.specs)
@@ -281,8 +346,10 @@ def prefetch(current: Expanded, following: Expanded, budget: int) -> None:
     current unit's last one, the following unit's first) fit in `budget` bytes, and both are
     in the same activation checkpoint (or in none): a recomputed region starts no hop that
     runs past it and waits on none it did not start."""
-    if current.message_bytes + following.message_bytes > budget or \
-            current.region != following.region:
+    if (
+        current.message_bytes + following.message_bytes > budget
+        or current.region != following.region
+    ):
         return
     for node in following.first_hop:
         current.last_step.prepend(node)
@@ -312,14 +379,21 @@ def _check(gm: fx.GraphModule, ctx) -> None:
             start, compute = hops.get((k + 1, Action.START)), at.get((k, Action.COMPUTE))
             wait, following = hops.get((k + 1, Action.WAIT)), at.get((k + 1, Action.COMPUTE))
             if follower:
-                ok = None not in (wait, following) and wait < following and \
-                    (k + 1, Action.START) not in at
+                ok = (
+                    None not in (wait, following)
+                    and wait < following
+                    and (k + 1, Action.START) not in at
+                )
             else:
-                ok = None not in (start, compute, wait, following) and \
-                    start < compute < wait < following
+                ok = (
+                    None not in (start, compute, wait, following)
+                    and start < compute < wait < following
+                )
             if not ok:
-                raise InvariantError(f"unit {u.name}: hop {k + 1} is not started before step "
-                                     f"{k} computes and waited on before step {k + 1}")
+                raise InvariantError(
+                    f"unit {u.name}: hop {k + 1} is not started before step "
+                    f"{k} computes and waited on before step {k + 1}"
+                )
 
 
 @graph_pass(check=_check, required=True)
@@ -327,10 +401,13 @@ def schedule(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Write every unit's (and bucket's) forward steps and hops into the graph, its tags and
     backward events into `ctx.schedules`."""
     n, plan = ctx.world_size, ctx.plan
-    markers = {node.args[0]: node for node in gm.graph.nodes
-               if node.target in (rotated_op, fused_block)}
-    tags = {u.name: dict(forward_tag=3 * i, fetch_tag=3 * i + 1, grad_tag=3 * i + 2)
-            for i, u in enumerate(plan.units)}
+    markers = {
+        node.args[0]: node for node in gm.graph.nodes if node.target in (rotated_op, fused_block)
+    }
+    tags = {
+        u.name: dict(forward_tag=3 * i, fetch_tag=3 * i + 1, grad_tag=3 * i + 2)
+        for i, u in enumerate(plan.units)
+    }
     for unit in plan.units:
         if unit.kind in (UnitKind.GATHER, UnitKind.SMALL):  # they run their own ring all-gather
             ctx.schedules[unit.name] = UnitSchedule(**tags[unit.name])
@@ -343,14 +420,24 @@ def schedule(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             continue  # written with its bucket's first unit
         bucket, members = bucket_of.get(name, (None, (name,)))
         lead = tags[members[0]]
-        expanded.append(_expand(gm.graph, [_Member.of(markers[m], units[m], plan,
-                                                      ctx.precision)
-                                           for m in members], n, lead["forward_tag"], bucket))
+        expanded.append(
+            _expand(
+                gm.graph,
+                [_Member.of(markers[m], units[m], plan, ctx.precision) for m in members],
+                n,
+                lead["forward_tag"],
+                bucket,
+            )
+        )
         for m in members:
-            backward = bucket_backward_schedule(n, lead["fetch_tag"]) if bucket else \
-                backward_schedule(n, lead["fetch_tag"], lead["grad_tag"])
-            ctx.schedules[m] = UnitSchedule(**(lead if bucket else tags[m]),
-                                            backward=tuple(backward), bucket=bucket)
+            backward = (
+                bucket_backward_schedule(n, lead["fetch_tag"])
+                if bucket
+                else backward_schedule(n, lead["fetch_tag"], lead["grad_tag"])
+            )
+            ctx.schedules[m] = UnitSchedule(
+                **(lead if bucket else tags[m]), backward=tuple(backward), bucket=bucket
+            )
     if n > 1 and expanded:
         budget = ctx.options.max_bytes_in_flight
         if budget is None:  # what one unit alone holds: two of the largest messages

@@ -7,6 +7,7 @@ Invariant: the graph computes the same values (up to floating-point rounding of 
 multiply-add); no norm reads a parameter any more; norms whose weight and bias are not
 parameters are left as they were.
 """
+
 from __future__ import annotations
 
 import operator
@@ -15,10 +16,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from rtp_compile.core.graph_ops import affine, batch_norm_module
 from rtp_compile.passes.analysis.chains import op_key
 from rtp_compile.passes.analysis.match import parameter_reads
 from rtp_compile.passes.manager.pipeline import InvariantError, graph_pass
-from rtp_compile.core.graph_ops import affine, batch_norm_module
 
 aten = torch.ops.aten
 
@@ -48,8 +49,12 @@ def _norm_arguments(node: fx.Node, gm: fx.GraphModule) -> dict | None:
 
 def _check(gm: fx.GraphModule, ctx) -> None:
     reads = parameter_reads(gm)
-    left = [n.name for n in gm.graph.nodes if (kwargs := _norm_arguments(n, gm)) is not None
-            and any(v in reads for v in kwargs.values() if isinstance(v, fx.Node))]
+    left = [
+        n.name
+        for n in gm.graph.nodes
+        if (kwargs := _norm_arguments(n, gm)) is not None
+        and any(v in reads for v in kwargs.values() if isinstance(v, fx.Node))
+    ]
     if left:
         raise InvariantError(f"split_norm_affine left norms reading parameters: {left}")
 
@@ -72,8 +77,11 @@ def split_norm_affine(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if bias_arg:
             kwargs[bias_arg] = None
         node.args, node.kwargs = (), kwargs
-        outputs = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0] \
-            if target in TUPLE_NORMS else [node]
+        outputs = (
+            [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+            if target in TUPLE_NORMS
+            else [node]
+        )
         for out in outputs:
             with gm.graph.inserting_after(out):
                 scaled = gm.graph.call_function(affine, (out, weight, bias, dim))

@@ -12,6 +12,7 @@ the rows around the ring, one message per hop, into each rank's own shards' grad
 unit's backward gives the ticket a (zero) gradient, so that also a compiled backward graph runs
 the reduce-scatter after every unit of the bucket.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,7 +31,7 @@ class BucketState:
     """One forward of a bucket: its units' own shards, what backward fetched, its gradient
     rows (shard -> flat message of every unit's gradient of that shard)."""
 
-    def __init__(self, runtime: "BucketRuntime", own: list[torch.Tensor]):
+    def __init__(self, runtime: BucketRuntime, own: list[torch.Tensor]):
         self.runtime, self.master = runtime, own
         self.incoming: dict[int, torch.Tensor] = {}
         self.fetched: dict[int, list[torch.Tensor]] = {}
@@ -49,8 +50,9 @@ class BucketState:
             return
         rt = self.runtime
         sending = self.own if step == 0 else self.fetched[step - 1]
-        self.incoming[step] = ring.shift_start(sending, rt.group_name, -1, tag,
-                                               f"{rt.bucket_name} backward: weight hop {step}")
+        self.incoming[step] = ring.shift_start(
+            sending, rt.group_name, -1, tag, f"{rt.bucket_name} backward: weight hop {step}"
+        )
 
     def fetch_wait(self, step: int) -> None:
         if step in self.fetched:
@@ -69,12 +71,12 @@ class BucketState:
         rt = self.runtime
         if self.rows is None:
             dtype, total, _ = packing.flat_layout(rt.grad_specs)
-            self.rows = [self.master[0].new_zeros(total, dtype=dtype)
-                         for _ in range(rt.world_size)]
+            self.rows = [self.master[0].new_zeros(total, dtype=dtype) for _ in range(rt.world_size)]
         at = rt.slices[unit]
         views = packing.unpack(self.rows[shard], rt.grad_specs)[at]
-        return [real_part(v, lay.dim or 0, lay.slot(shard))
-                for v, lay in zip(views, rt.layouts[at])]
+        return [
+            real_part(v, lay.dim or 0, lay.slot(shard)) for v, lay in zip(views, rt.layouts[at])
+        ]
 
     def unit_done(self, unit: str) -> None:
         """Unit `unit`'s backward is over: after the bucket's last, its weights go."""
@@ -94,9 +96,14 @@ class BucketState:
         n, rank = rt.world_size, rt.rank
         acc = rows[backward_shard(rank, 0, n)]
         for j in range(1, n):
-            incoming = ring.shift_start([acc], rt.group_name, -1, rt.schedule.grad_tag,
-                                        f"{rt.bucket_name} backward: gradient hop {j}",
-                                        pooled=False)
+            incoming = ring.shift_start(
+                [acc],
+                rt.group_name,
+                -1,
+                rt.schedule.grad_tag,
+                f"{rt.bucket_name} backward: gradient hop {j}",
+                pooled=False,
+            )
             rows[backward_shard(rank, j - 1, n)] = None  # sent: nothing else reads it
             acc = ring.wait(incoming).add_(rows[backward_shard(rank, j, n)])
         if rt.grad_scale != 1:
@@ -104,8 +111,10 @@ class BucketState:
         # each gradient its own tensor: autograd keeps some of a message's views as .grad and
         # copies others (measured: the bucket's first units' copied), and one view kept would
         # hold the whole message alive besides the copies (a cast to the shards' dtype copies)
-        return [g.clone() if g.dtype == lay.dtype else g.to(lay.dtype)
-                for g, lay in zip(packing.unpack(acc, rt.grad_specs), rt.layouts)]
+        return [
+            g.clone() if g.dtype == lay.dtype else g.to(lay.dtype)
+            for g, lay in zip(packing.unpack(acc, rt.grad_specs), rt.layouts)
+        ]
 
 
 KEPT_STATES = 1024
@@ -130,8 +139,7 @@ class _BucketParams(torch.autograd.Function):
         (ticket,) = ctx.saved_tensors
         d_ticket = grads[-1] if grads[-1] is not None else torch.zeros_like(ticket)
         shards = bucket_reduce_scatter(ctx.key, ticket, d_ticket)
-        return (None, *[g if need else None for g, need in zip(shards,
-                                                               ctx.needs_input_grad[1:])])
+        return (None, *[g if need else None for g, need in zip(shards, ctx.needs_input_grad[1:])])
 
 
 class BucketRuntime(Keyed):
@@ -141,16 +149,25 @@ class BucketRuntime(Keyed):
     layouts in the same order; `schedule`: the bucket's first unit's (its tags). Called on the
     own shards, it returns them and the ticket of this forward (None without autograd)."""
 
-    def __init__(self, name, units, layouts, rank, world_size, group_name,
-                 schedule: UnitSchedule, grad_scale, precision: Precision):
+    def __init__(
+        self,
+        name,
+        units,
+        layouts,
+        rank,
+        world_size,
+        group_name,
+        schedule: UnitSchedule,
+        grad_scale,
+        precision: Precision,
+    ):
         super().__init__()
         self.bucket_name, self.layouts = name, list(layouts)
         self.rank, self.world_size, self.group_name = rank, world_size, group_name
         self.schedule, self.grad_scale, self.precision = schedule, grad_scale, precision
         # the shards as they rotate, and their gradient rows (mixed precision: two dtypes)
         self.specs = [(lay.shard_shape, precision.compute(lay.dtype)) for lay in self.layouts]
-        self.grad_specs = [(lay.shard_shape, precision.reduce(lay.dtype))
-                           for lay in self.layouts]
+        self.grad_specs = [(lay.shard_shape, precision.reduce(lay.dtype)) for lay in self.layouts]
         self.slices, at = {}, 0
         for unit, count in units:
             self.slices[unit] = slice(at, at + count)
@@ -178,7 +195,8 @@ class BucketRuntime(Keyed):
             raise RuntimeError(
                 f"rtp_compile: bucket {self.bucket_name}: the backward of a forward {KEPT_STATES} "
                 "or more forwards ago runs after its state was dropped (or a second time); "
-                "call backward before running the module that many more times")
+                "call backward before running the module that many more times"
+            )
         return state
 
     @transaction.transactional
@@ -188,8 +206,10 @@ class BucketRuntime(Keyed):
         grads = self.state(ticket).reduce_scatter()
         self.states.pop(int(ticket))
         if grads is None:
-            return [torch.zeros(lay.shard_shape, dtype=lay.dtype, device=ticket.device)
-                    for lay in self.layouts]
+            return [
+                torch.zeros(lay.shard_shape, dtype=lay.dtype, device=ticket.device)
+                for lay in self.layouts
+            ]
         return grads
 
     def __getstate__(self):
@@ -220,8 +240,9 @@ def _(key, own):
 
 
 @graph_op("bucket_reduce_scatter")
-def bucket_reduce_scatter(key: str, ticket: torch.Tensor,
-                          units_done: torch.Tensor) -> list[torch.Tensor]:
+def bucket_reduce_scatter(
+    key: str, ticket: torch.Tensor, units_done: torch.Tensor
+) -> list[torch.Tensor]:
     """Graph op: the own shards' gradients of the bucket `key`'s forward `ticket`, once every
     unit has added its own into the rows (`units_done`: the ticket's gradient)."""
     return lookup(key).reduce_scatter(ticket)

@@ -1,8 +1,8 @@
 """The ring collectives the runtimes share: all-gather and reduce-scatter of a list of
 shards around the ring, and the gradient accumulator that travels with each shard
 (`GradientRing`)."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 
@@ -17,8 +17,9 @@ class GradientRing:
     rank-1; after the last step each rank holds the complete gradient of its own shard. The
     accumulators are `dtype` (mixed precision: the reduce dtype) on `like`'s device."""
 
-    def __init__(self, layouts, group_name: str, where: str, like: torch.Tensor,
-                 dtype: torch.dtype):
+    def __init__(
+        self, layouts, group_name: str, where: str, like: torch.Tensor, dtype: torch.dtype
+    ):
         self.layouts, self.group_name, self.where = layouts, group_name, where
         self.like, self.dtype = like, dtype
         self.acc: list[torch.Tensor] | None = None
@@ -33,12 +34,14 @@ class GradientRing:
             self.acc, self.incoming = packing.unpack(ring.wait(self.incoming), specs), None
 
     def real_parts(self, shard: int) -> list[torch.Tensor]:
-        return [real_part(a, lay.dim or 0, lay.slot(shard))
-                for a, lay in zip(self.acc, self.layouts)]
+        return [
+            real_part(a, lay.dim or 0, lay.slot(shard)) for a, lay in zip(self.acc, self.layouts)
+        ]
 
     def pass_on(self, step: int, tag: int) -> None:
-        self.incoming = ring.shift_start(self.acc, self.group_name, -1, tag,
-                                         f"{self.where}: gradient hop {step}", pooled=False)
+        self.incoming = ring.shift_start(
+            self.acc, self.group_name, -1, tag, f"{self.where}: gradient hop {step}", pooled=False
+        )
         self.acc = None
 
     def result(self, scale: float) -> list[torch.Tensor]:
@@ -48,22 +51,38 @@ class GradientRing:
         return [torch.mul(a, scale).to(lay.dtype) for a, lay in zip(self.acc, self.layouts)]
 
 
-def ring_all_gather(own: list[torch.Tensor], layouts, rank: int, world_size: int,
-                    group_name: str, tag: int, where: str) -> list[torch.Tensor]:
+def ring_all_gather(
+    own: list[torch.Tensor],
+    layouts,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    tag: int,
+    where: str,
+) -> list[torch.Tensor]:
     """Full parameters from every rank's shard, by N-1 clockwise hops."""
     shards = {rank: own}
     held = own
     for k in range(1, world_size):
         hop = ring.shift_start(held, group_name, 1, tag, f"{where}: gather hop {k}")
-        held = shards[(rank - k) % world_size] = packing.unpack(ring.wait(hop), packing.specs_of(own))
+        held = shards[(rank - k) % world_size] = packing.unpack(
+            ring.wait(hop), packing.specs_of(own)
+        )
     packing.pool.release()
-    return [lay.unshard([shards[s][i] for s in range(world_size)])
-            for i, lay in enumerate(layouts)]
+    return [lay.unshard([shards[s][i] for s in range(world_size)]) for i, lay in enumerate(layouts)]
 
 
-def ring_reduce_scatter(full_grads: list[torch.Tensor], layouts, rank: int, world_size: int,
-                        group_name: str, tag: int, where: str, scale: float,
-                        dtype: torch.dtype):
+def ring_reduce_scatter(
+    full_grads: list[torch.Tensor],
+    layouts,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    tag: int,
+    where: str,
+    scale: float,
+    dtype: torch.dtype,
+):
     """Each rank's shard of the sum over ranks of `full_grads` (times `scale`), by N-1
     counter-clockwise hops of one accumulator message in `dtype`, in the shards' dtype."""
     grads = GradientRing(layouts, group_name, f"{where} backward", full_grads[0], dtype)

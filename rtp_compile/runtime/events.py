@@ -5,6 +5,7 @@ Forward, step k on rank r holds shard (r - k) mod N (clockwise: received from r 
 step j holds shard (r + 1 + j) mod N (counter-clockwise: received from r + 1), so the gradient
 accumulator of a shard, passed on to r - 1 after each step, arrives complete at its owner.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from rtp_compile.core.ir import Action
 @dataclass(frozen=True)
 class Event:
     """One thing a unit does at step `step`; `tag`: the message tag of a hop it starts."""
+
     action: Action
     step: int
     tag: int | None = None
@@ -26,6 +28,7 @@ class UnitSchedule:
     gathers, backward weight fetches, gradient accumulators), and its backward events in the
     order the runtime executes them (`passes.schedule.backward_schedule`); `bucket`: the name
     of the unit's bucket (its tags are then the bucket's), if it is in one."""
+
     forward_tag: int
     fetch_tag: int
     grad_tag: int

@@ -7,6 +7,7 @@ next forward); a backward that raises leaves every shard's `.grad` as it was
 each would be a frame compiled per module, guarded on the hops in flight and the shards'
 gradients.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,9 @@ from rtp_compile.runtime.replicas import ReplicaGradReduction
 from rtp_compile.runtime.transaction import GradTransaction
 
 
-def install_failure_handling(gm: nn.Module, replicas: ReplicaGradReduction | None,
-                             group_name: str) -> None:
+def install_failure_handling(
+    gm: nn.Module, replicas: ReplicaGradReduction | None, group_name: str
+) -> None:
     """Give `gm` (an emitted rank module) its gradient transaction (`gm.rtp_grads`, also the
     `transaction` of each of its runtime modules, whose backwards open it) and the forward
     hooks that end a failed forward cleanly."""

@@ -7,6 +7,7 @@ reads from outside (a mask, rotary tables, sizes). Backward recomputes the regio
 them under autograd (for attention: the attention of the shard's heads, as activation
 checkpointing would), so its gradient needs no rule of its own.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,6 @@ import torch
 from rtp_compile.core.ir import Split
 from rtp_compile.core.op_rules import LinearRule
 from rtp_compile.runtime.rotated import UnitRuntime
-
 
 LINEAR = LinearRule()
 
@@ -31,10 +31,23 @@ def sub_roles(values: dict, prefix: str) -> dict:
 
 
 class FusedBlockRuntime(UnitRuntime):
-    def __init__(self, name, fusion, roles, layouts, body, rank, world_size, group_name,
-                 schedule, grad_scale, precision):
-        super().__init__(name, roles, layouts, rank, world_size, group_name, schedule,
-                         grad_scale, precision)
+    def __init__(
+        self,
+        name,
+        fusion,
+        roles,
+        layouts,
+        body,
+        rank,
+        world_size,
+        group_name,
+        schedule,
+        grad_scale,
+        precision,
+    ):
+        super().__init__(
+            name, roles, layouts, rank, world_size, group_name, schedule, grad_scale, precision
+        )
         self.head_options = [h.call.options for h in fusion.heads]
         self.tail_options = fusion.tail.call.options
         self.hidden, self.body, self.attention = fusion.hidden, body, fusion.attention
@@ -43,18 +56,23 @@ class FusedBlockRuntime(UnitRuntime):
 
     def extra_repr(self) -> str:
         what = "attention heads" if self.attention else "pointwise"
-        return (f"fused block: {len(self.head_options)} column-split linear(s) -> {what} -> "
-                f"row-split linear, hidden {self.hidden}; rank {self.rank} of {self.world_size}")
+        return (
+            f"fused block: {len(self.head_options)} column-split linear(s) -> {what} -> "
+            f"row-split linear, hidden {self.hidden}; rank {self.rank} of {self.world_size}"
+        )
 
     def forward(self, y, x, *tensors, ticket=None):
         """As UnitRuntime's, after the rank's own shards: the region's externals, then the head
         outputs of each step that held real groups."""
-        externals = tensors[len(self.roles):len(self.roles) + self.n_externals]
-        if torch.is_grad_enabled() and any(isinstance(e, torch.Tensor) and e.requires_grad
-                                           for e in externals):
-            raise RuntimeError(f"rtp_compile: fused block {self.unit_name} reads a value that "
-                               "requires grad from outside the block (the planner only allows "
-                               "values that carry no gradient); compile with fuse=False")
+        externals = tensors[len(self.roles) : len(self.roles) + self.n_externals]
+        if torch.is_grad_enabled() and any(
+            isinstance(e, torch.Tensor) and e.requires_grad for e in externals
+        ):
+            raise RuntimeError(
+                f"rtp_compile: fused block {self.unit_name} reads a value that "
+                "requires grad from outside the block (the planner only allows "
+                "values that carry no gradient); compile with fuse=False"
+            )
         return super().forward(y, x, *tensors, ticket=ticket)
 
     def _width(self, slots) -> int:
@@ -64,25 +82,33 @@ class FusedBlockRuntime(UnitRuntime):
         """This shard's head outputs among `saved` (all-padding shards saved none)."""
         index = sum(1 for s in range(shard) if self.layouts[self.tail_weight].slot(s).valid)
         k = len(self.head_options)
-        heads = saved[self.n_externals:]
-        return heads[index * k:(index + 1) * k]
+        heads = saved[self.n_externals :]
+        return heads[index * k : (index + 1) * k]
 
     def _local(self, shard, dy, x, shards, slots, saved, scratch):
         """(region output h, head output grads) of one step, computed once per step."""
         if "h" not in scratch:
             width = self._width(slots)
             tail = sub_roles(shards, "tail")
-            w_tail = LINEAR.weight_as_out_in(self.tail_options, tail["weight"],
-                                        LINEAR.weight_dim(Split.ROW, self.tail_options),
-                                        slots["tail.weight"])
+            w_tail = LINEAR.weight_as_out_in(
+                self.tail_options,
+                tail["weight"],
+                LINEAR.weight_dim(Split.ROW, self.tail_options),
+                slots["tail.weight"],
+            )
             if width == 0:
-                scratch["h"], scratch["dheads"] = dy.new_zeros(*dy.shape[:-1], 0), \
-                    [dy.new_zeros(*dy.shape[:-1], 0)] * len(self.head_options)
+                scratch["h"], scratch["dheads"] = (
+                    dy.new_zeros(*dy.shape[:-1], 0),
+                    [dy.new_zeros(*dy.shape[:-1], 0)] * len(self.head_options),
+                )
                 return scratch
             heads = [h.detach().requires_grad_(True) for h in self._saved_heads(shard, saved)]
             with torch.enable_grad():
-                h = self.body(*head_groups(slots, self.layouts[self.tail_weight]), *heads,
-                              *saved[:self.n_externals])
+                h = self.body(
+                    *head_groups(slots, self.layouts[self.tail_weight]),
+                    *heads,
+                    *saved[: self.n_externals],
+                )
             scratch["h"] = h.detach()
             scratch["dheads"] = torch.autograd.grad(h, heads, dy @ w_tail)
         return scratch
@@ -93,13 +119,18 @@ class FusedBlockRuntime(UnitRuntime):
             return
         for i, (options, dh) in enumerate(zip(self.head_options, local["dheads"])):
             head = sub_roles(shards, f"head{i}")
-            w = LINEAR.weight_as_out_in(options, head["weight"], LINEAR.weight_dim(Split.COL, options),
-                                   slots[f"head{i}.weight"])
+            w = LINEAR.weight_as_out_in(
+                options,
+                head["weight"],
+                LINEAR.weight_dim(Split.COL, options),
+                slots[f"head{i}.weight"],
+            )
             dx += dh @ w
 
     def step_weight_grads(self, shard, dy, x, shards, slots, saved, into, scratch):
         local = self._local(shard, dy, x, shards, slots, saved, scratch)
-        LINEAR.row_weight_grads(self.tail_options, dy, local["h"], sub_roles(slots, "tail"),
-                                    sub_roles(into, "tail"))
+        LINEAR.row_weight_grads(
+            self.tail_options, dy, local["h"], sub_roles(slots, "tail"), sub_roles(into, "tail")
+        )
         for i, (options, dh) in enumerate(zip(self.head_options, local["dheads"])):
             LINEAR.col_weight_grads(options, dh, x, sub_roles(into, f"head{i}"))

@@ -10,6 +10,7 @@ The next forward of the rank's module re-forms it (`recover`): every rank of the
 in the job's store, then talks over a new communicator of its own, so nothing of the failed
 step can match; what the failed step left in flight is abandoned, never waited for.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -18,8 +19,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-
-
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -55,11 +54,12 @@ class Peers:
     a destroyed group must not live on in this cache until the interpreter's teardown, where
     its backend's threads would be torn down too late). After a recovery the hops go over the
     ring's own communicator `comm`, to and from the group ranks `dst_in_group`/`src_in_group`."""
+
     group_ref: weakref.ref
-    dst: int                    # global rank of (r + shift) in the group
-    src: int                    # global rank of (r - shift)
+    dst: int  # global rank of (r + shift) in the group
+    src: int  # global rank of (r - shift)
     timeout: datetime.timedelta
-    comm: object = None         # the ring's communicator once re-formed (None: the group's)
+    comm: object = None  # the ring's communicator once re-formed (None: the group's)
     dst_in_group: int = 0
     src_in_group: int = 0
 
@@ -82,8 +82,14 @@ def peers(group_name: str, shift: int) -> Peers:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         dst, src = (rank + shift) % size, (rank - shift) % size
         known = _peers[(group_name, shift)] = Peers(
-            weakref.ref(group), dist.get_global_rank(group, dst),
-            dist.get_global_rank(group, src), group_timeout(group), comm, dst, src)
+            weakref.ref(group),
+            dist.get_global_rank(group, dst),
+            dist.get_global_rank(group, src),
+            group_timeout(group),
+            comm,
+            dst,
+            src,
+        )
     return known
 
 
@@ -93,6 +99,7 @@ class RingState:
     (`broken`: why), how often it was re-formed (`epoch`), its own communicator since then, and
     what failed steps left in flight (kept alive, never waited for: a late message must not
     land in freed memory)."""
+
     epoch: int = 0
     broken: str | None = None
     comm: object = None
@@ -127,11 +134,14 @@ def recover(group_name: str) -> None:
         raise RuntimeError(
             f"rtp_compile: the ring of rank {rank} broke ({state.broken}) and a {backend} ring "
             "cannot be re-formed in the same process. Restart the job (torchrun "
-            "--max-restarts) from the last rtp_compile.checkpoint.")
+            "--max-restarts) from the last rtp_compile.checkpoint."
+        )
     timeout = group_timeout(group)
     epoch = state.epoch + 1
-    store = dist.PrefixStore(f"rtp_compile/ring/{group_name or 'WORLD'}/epoch{epoch}/",
-                             dist.distributed_c10d._get_default_store())
+    store = dist.PrefixStore(
+        f"rtp_compile/ring/{group_name or 'WORLD'}/epoch{epoch}/",
+        dist.distributed_c10d._get_default_store(),
+    )
     try:
         if store.add("arrived", 1) == size:
             store.set("all", "1")
@@ -141,7 +151,8 @@ def recover(group_name: str) -> None:
         raise RuntimeError(
             f"rtp_compile: rank {rank} could not re-form its ring with the {size - 1} other "
             f"ranks of its group within {3 * timeout} after it broke ({state.broken}): a "
-            f"peer probably died. Restart the job from the last checkpoint. ({err})") from err
+            f"peer probably died. Restart the job from the last checkpoint. ({err})"
+        ) from err
     if state.comm is not None:
         state.abandoned.append(state.comm)  # its pairs may still hold what a step left
     state.comm, state.epoch, state.broken = comm, epoch, None

@@ -2,15 +2,15 @@
 (`JobCheck`, `check_job`), the buffers broadcast from rank 0 (`BufferBroadcast`), and
 `job_of(gm)`, the job a module keeps.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 from rtp_compile.runtime.groups import broadcast, recover, resolve_group
-from rtp_compile.runtime.ring import finish_leftover_hops
 from rtp_compile.runtime.registry import Keyed, effectful, graph_op, lookup
+from rtp_compile.runtime.ring import finish_leftover_hops
 
 
 class JobCheck(Keyed):
@@ -21,8 +21,15 @@ class JobCheck(Keyed):
     Ranks with the same `rank` hold the same shards; one replica, e.g. `replica == 0`, is
     enough to save them."""
 
-    def __init__(self, world_size: int, rank: int, group_name: str, replica: int = 0,
-                 replicas: int = 1, replica_group_name: str | None = None):
+    def __init__(
+        self,
+        world_size: int,
+        rank: int,
+        group_name: str,
+        replica: int = 0,
+        replicas: int = 1,
+        replica_group_name: str | None = None,
+    ):
         super().__init__()
         self.world_size, self.rank, self.group_name = world_size, rank, group_name
         self.replica, self.replicas = replica, replicas
@@ -33,16 +40,20 @@ class JobCheck(Keyed):
         ring = f"rank {self.rank} of {self.world_size}, group {self.group_name or 'WORLD'!r}"
         if self.replica_group_name is None:
             return ring
-        return f"{ring}; replica {self.replica} of {self.replicas}, group " \
-               f"{self.replica_group_name!r}"
+        return (
+            f"{ring}; replica {self.replica} of {self.replicas}, group {self.replica_group_name!r}"
+        )
 
     def forward(self) -> torch.Tensor:
         return check_job(self.rtp_key)
 
     def check(self) -> None:
         finish_leftover_hops()  # of a step before that raised after starting a hop
-        if self.world_size == 1 and self.replica_group_name is None and \
-                not (dist.is_available() and dist.is_initialized()):
+        if (
+            self.world_size == 1
+            and self.replica_group_name is None
+            and not (dist.is_available() and dist.is_initialized())
+        ):
             return  # a one-rank program needs no process group
         group = resolve_group(self.group_name)
         if self.world_size > 1:
@@ -52,20 +63,25 @@ class JobCheck(Keyed):
             raise RuntimeError(
                 f"rtp_compile: this module was compiled for world_size={self.world_size} but the "
                 f"process group has {size} ranks. Transform with world_size={size}, or run in a "
-                f"job of {self.world_size} processes.")
+                f"job of {self.world_size} processes."
+            )
         if actual != self.rank:
             raise RuntimeError(
                 f"rtp_compile: this is the module of rank {self.rank}, but it runs on rank "
                 f"{actual} of the process group. Use prog.module(torch.distributed.get_rank()) "
-                "on every rank.")
+                "on every rank."
+            )
         if self.replica_group_name is not None:
             replicas = resolve_group(self.replica_group_name)
-            if (dist.get_world_size(replicas), dist.get_rank(replicas)) != \
-                    (self.replicas, self.replica):
+            if (dist.get_world_size(replicas), dist.get_rank(replicas)) != (
+                self.replicas,
+                self.replica,
+            ):
                 raise RuntimeError(
                     f"rtp_compile: this is the module of replica {self.replica} of "
                     f"{self.replicas}, but it runs as replica {dist.get_rank(replicas)} of "
-                    f"{dist.get_world_size(replicas)}. Use prog.module(mesh=mesh) on every rank.")
+                    f"{dist.get_world_size(replicas)}. Use prog.module(mesh=mesh) on every rank."
+                )
 
 
 class BufferBroadcast(Keyed):

@@ -148,6 +148,7 @@ def _rank_context() -> Any:
     """The fork server (ranks forked from one process that imported `_PRELOAD` and never ran a
     kernel, so no thread or CUDA state is forked) where the platform has one, else spawn."""
     import multiprocessing
+
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -159,16 +160,25 @@ def _start_rank(ctx: Any, rank_env: Mapping[str, str], child_args: tuple) -> Any
     """Start one rank's process with ``rank_env`` in its environment."""
     # A spawned child copies os.environ at exec (import-time variables apply); one forked from
     # the fork server has the server's environment and path, so it takes the caller's first.
-    process = ctx.Process(target=_run_rank, name=f"rtp-rank-{rank_env['RANK']}",
-                          args=(*child_args, {**os.environ, **rank_env}, list(sys.path)))
+    process = ctx.Process(
+        target=_run_rank,
+        name=f"rtp-rank-{rank_env['RANK']}",
+        args=(*child_args, {**os.environ, **rank_env}, list(sys.path)),
+    )
     with _patched_environ(rank_env):
         process.start()
     return process
 
 
 def _run_rank(
-    rank: int, world_size: int, backend: str, timeout: float, payload: bytes, reports: Any,
-    environ: Mapping[str, str], path: list[str],
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: float,
+    payload: bytes,
+    reports: Any,
+    environ: Mapping[str, str],
+    path: list[str],
 ) -> None:
     """Child entry point: run the user function and report its result or its traceback."""
     os.environ.clear()

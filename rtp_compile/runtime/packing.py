@@ -1,12 +1,12 @@
 """A hop's message: a list of tensors packed into one flat buffer and unpacked as views of it
 (`flat_layout`, `pack`, `unpack`), the buffers drawn from a pool this process keeps.
 """
+
 from __future__ import annotations
 
 import math
 
 import torch
-
 
 
 def flat_layout(specs: list[tuple[tuple[int, ...], torch.dtype]]):
@@ -87,14 +87,25 @@ def pack(tensors: list[torch.Tensor], pooled: bool = False) -> torch.Tensor:
     dtype, total, offsets = flat_layout(specs)
     item = dtype.itemsize
     storage, start = tensors[0].untyped_storage(), tensors[0].data_ptr()
-    in_place = (start - storage.data_ptr()) % item == 0 and \
-        start - storage.data_ptr() + total * item <= storage.nbytes() and \
-        all(t.is_contiguous() and t.untyped_storage().data_ptr() == storage.data_ptr()
-            and t.data_ptr() == start + offset * item for t, offset in zip(tensors, offsets))
+    in_place = (
+        (start - storage.data_ptr()) % item == 0
+        and start - storage.data_ptr() + total * item <= storage.nbytes()
+        and all(
+            t.is_contiguous()
+            and t.untyped_storage().data_ptr() == storage.data_ptr()
+            and t.data_ptr() == start + offset * item
+            for t, offset in zip(tensors, offsets)
+        )
+    )
     if in_place:
-        return tensors[0].new_empty(0, dtype=dtype).set_(
-            storage, (start - storage.data_ptr()) // item, (total,))
-    flat = pool.take(total, dtype, tensors[0]) if pooled else tensors[0].new_empty(total, dtype=dtype)
+        return (
+            tensors[0]
+            .new_empty(0, dtype=dtype)
+            .set_(storage, (start - storage.data_ptr()) // item, (total,))
+        )
+    flat = (
+        pool.take(total, dtype, tensors[0]) if pooled else tensors[0].new_empty(total, dtype=dtype)
+    )
     for view, t in zip(unpack(flat, specs), tensors):
         view.copy_(t)
     return flat

@@ -4,6 +4,7 @@ Shards stay in the model's dtype (the masters the optimizer steps); a floating s
 and rotates in `param_dtype`, its gradient accumulators travel and sum in `reduce_dtype`
 (default: the compute dtype), and the finished gradient lands in `.grad` in the master dtype.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,11 +15,12 @@ import torch
 @dataclass(frozen=True)
 class Precision:
     """The dtypes a program computes and reduces in; both None: the parameters' own."""
+
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
 
     @classmethod
-    def of(cls, policy) -> "Precision":
+    def of(cls, policy) -> Precision:
         """From a `torch.distributed.fsdp.MixedPrecisionPolicy` (or None)."""
         if policy is None:
             return cls()

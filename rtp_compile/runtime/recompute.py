@@ -8,6 +8,7 @@ every rank alike), so its rotation units fetch their weight shards again by rota
 units' autograd nodes are the forward's: the recomputation only refills what they saved (the
 activations and the rank's own shards), never a received shard.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,5 +30,6 @@ class CheckpointedRegion(nn.Module):
     def forward(self, *inputs):
         if not torch.is_grad_enabled():
             return self.body(*inputs)
-        return torch.utils.checkpoint.checkpoint(self.body, *inputs, use_reentrant=False,
-                                                 early_stop=False)
+        return torch.utils.checkpoint.checkpoint(
+            self.body, *inputs, use_reentrant=False, early_stop=False
+        )

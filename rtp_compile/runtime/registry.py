@@ -9,6 +9,7 @@ registry holds the modules weakly, so it never keeps a dropped rank module alive
 Non-tensor values a unit saves for its backward (sizes, a dtype) cross an op's boundary encoded
 by `encode` / `decode`, since a custom op's schema only takes typed arguments.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -76,8 +77,10 @@ def lookup(key: str) -> nn.Module:
     """The live runtime module registered under `key`."""
     module = _live.get(key)
     if module is None:
-        raise RuntimeError(f"rtp_compile: runtime module {key} no longer exists; a compiled graph "
-                           "outlived the rank module it was compiled from")
+        raise RuntimeError(
+            f"rtp_compile: runtime module {key} no longer exists; a compiled graph "
+            "outlived the rank module it was compiled from"
+        )
     return module
 
 
@@ -104,6 +107,7 @@ def graph_op(name: str, mutates_args=()):
     implementation goes on the result's `.op`; calling the result runs the op in a graph being
     compiled (opaque to the compiler), else `fn` itself: the same code, which dispatch modes
     such as MemTracker see into and which costs no dispatch."""
+
     def wrap(fn):
         op = torch.library.custom_op(f"rtp::{name}", fn, mutates_args=mutates_args)
         overload = getattr(torch.ops.rtp, name).default
@@ -114,8 +118,10 @@ def graph_op(name: str, mutates_args=()):
             if torch.compiler.is_compiling():
                 return overload(*args)
             return fn(*args)
+
         call.op = op
         return call
+
     return wrap
 
 
@@ -147,8 +153,10 @@ def encode(values) -> tuple[list[torch.Tensor], list[int], list[float], list[int
         elif v is None:
             kinds.append(_NONE)
         else:
-            raise TypeError(f"rtp_compile: a unit saves a {type(v).__name__} for its backward; "
-                            "only tensors, numbers, dtypes and None can be")
+            raise TypeError(
+                f"rtp_compile: a unit saves a {type(v).__name__} for its backward; "
+                "only tensors, numbers, dtypes and None can be"
+            )
     return tensors, ints, floats, kinds
 
 

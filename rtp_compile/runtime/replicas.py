@@ -18,6 +18,7 @@ with the transaction, works on this backward's gradients only (the set-aside one
 after it) and writes `.grad` only once every bucket has arrived. A backward that raises, or a
 reduction that fails, rolls back to the gradients before the backward: never half-reduced.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,18 +62,25 @@ class ReplicaGradReduction:
         if not self.active:
             return  # a backward of the shards outside the module's transaction
         self.arrived[self.bucket_of[id(param)]] += 1
-        while len(self.started) < len(self.buckets) and \
-                self.arrived[len(self.started)] == len(self.buckets[len(self.started)]):
+        while len(self.started) < len(self.buckets) and self.arrived[len(self.started)] == len(
+            self.buckets[len(self.started)]
+        ):
             self._start(len(self.started))
 
     def _start(self, index: int) -> None:
         """All-reduce bucket `index`: its gradients flat (zeros where none), then one flag per
         parameter (1 where this rank has a gradient), so each rank learns who produced one."""
         bucket = self.buckets[index]
-        parts = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
-                 for p in bucket]
-        parts.append(torch.tensor([float(p.grad is not None) for p in bucket],
-                                  dtype=bucket[0].dtype, device=bucket[0].device))
+        parts = [
+            p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in bucket
+        ]
+        parts.append(
+            torch.tensor(
+                [float(p.grad is not None) for p in bucket],
+                dtype=bucket[0].dtype,
+                device=bucket[0].device,
+            )
+        )
         flat = torch.cat(parts)
         work = dist.all_reduce(flat, group=groups.resolve_group(self.group_name), async_op=True)
         self.started.append((work, flat))
@@ -92,12 +100,13 @@ class ReplicaGradReduction:
                 raise RuntimeError(
                     f"rtp_compile: rank {dist.get_rank()} timed out or failed in the gradient "
                     f"all-reduce over its replicas (timeout {timeout}). A replica probably "
-                    f"failed, left, or runs a different program: {err}") from err
+                    f"failed, left, or runs a different program: {err}"
+                ) from err
         for bucket, (_, flat) in zip(self.buckets, started):
-            flags = flat[-len(bucket):].tolist()
+            flags = flat[-len(bucket) :].tolist()
             offset = 0
             for p, flag in zip(bucket, flags):
-                reduced = flat[offset:offset + p.numel()].view_as(p)
+                reduced = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
                 if flag == 0:
                     continue  # no replica produced a gradient: it stays None
@@ -128,8 +137,11 @@ def _buckets(params: list[torch.nn.Parameter], cap: int) -> list[list[torch.nn.P
     for p in params:
         nbytes = p.numel() * p.element_size()
         last = buckets[-1] if buckets else None
-        if last is None or (last[0].dtype, last[0].device) != (p.dtype, p.device) \
-                or size + nbytes > cap:
+        if (
+            last is None
+            or (last[0].dtype, last[0].device) != (p.dtype, p.device)
+            or size + nbytes > cap
+        ):
             buckets.append([p])
             size = nbytes
         else:

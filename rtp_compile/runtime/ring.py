@@ -13,6 +13,7 @@ memory while it is being sent).
 The groups it runs on and their recovery are `runtime.groups`; how a message is packed,
 `runtime.packing`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,8 +65,14 @@ def labelled(what: str):
     return contextlib.nullcontext()
 
 
-def shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: int,
-                where: str, pooled: bool = True) -> int:
+def shift_start(
+    tensors: list[torch.Tensor],
+    group_name: str,
+    shift: int,
+    tag: int,
+    where: str,
+    pooled: bool = True,
+) -> int:
     """Start sending `tensors` to rank r+shift and receiving their successors from r-shift, as
     one flat message; returns the hop's handle, which `wait` turns into the received message
     (see `unpack`). Weights travel in pooled buffers; gradient accumulators (`pooled=False`) in
@@ -73,20 +80,29 @@ def shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: i
     ring = peers(group_name, shift)
     with labelled(f"rtp.send {where}"):
         outgoing = pack(tensors, pooled)
-        received = pool.take(outgoing.numel(), outgoing.dtype, outgoing) if pooled else \
-            torch.empty_like(outgoing)
+        received = (
+            pool.take(outgoing.numel(), outgoing.dtype, outgoing)
+            if pooled
+            else torch.empty_like(outgoing)
+        )
         if ring.comm is None:
-            works = dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, outgoing, ring.dst, ring.group, tag),
-                dist.P2POp(dist.irecv, received, ring.src, ring.group, tag)])
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, outgoing, ring.dst, ring.group, tag),
+                    dist.P2POp(dist.irecv, received, ring.src, ring.group, tag),
+                ]
+            )
         else:
-            works = [ring.comm.send([outgoing], ring.dst_in_group, tag),
-                     ring.comm.recv([received], ring.src_in_group, tag)]
+            works = [
+                ring.comm.send([outgoing], ring.dst_in_group, tag),
+                ring.comm.recv([received], ring.src_in_group, tag),
+            ]
     traffic["hops"] += 1
     traffic["bytes"] += outgoing.numel() * outgoing.element_size()
     hop = next(_handles)
-    _pending[hop] = _PendingShift(works, [outgoing, received], ring.timeout, where,
-                                  (ring.dst, ring.src), group_name)
+    _pending[hop] = _PendingShift(
+        works, [outgoing, received], ring.timeout, where, (ring.dst, ring.src), group_name
+    )
     return hop
 
 
@@ -104,8 +120,9 @@ def wait_for_key(key: int) -> torch.Tensor:
     timeout = pending.timeout
     dst, src = pending.peers
     with labelled(f"rtp.wait {pending.where}"):
-        for work, doing in zip(pending.works, (f"sending to rank {dst}",
-                                               f"receiving from rank {src}")):
+        for work, doing in zip(
+            pending.works, (f"sending to rank {dst}", f"receiving from rank {src}")
+        ):
             try:
                 work.wait(timeout)
             except RuntimeError as err:
@@ -114,7 +131,8 @@ def wait_for_key(key: int) -> torch.Tensor:
                 raise RuntimeError(
                     f"rtp_compile: rank {dist.get_rank()} timed out or failed in the ring "
                     f"during {pending.where}, {doing} (timeout {timeout}). Rank {src} or "
-                    f"{dst} probably failed, left, or runs a different program: {err}") from err
+                    f"{dst} probably failed, left, or runs a different program: {err}"
+                ) from err
     return pending.received
 
 
@@ -133,8 +151,9 @@ def finish_leftover_hops() -> None:
 
 
 @torch.library.custom_op("rtp::ring_shift_start", mutates_args=())
-def ring_shift_start(tensors: list[torch.Tensor], group_name: str, shift: int, tag: int,
-                     where: str) -> torch.Tensor:
+def ring_shift_start(
+    tensors: list[torch.Tensor], group_name: str, shift: int, tag: int, where: str
+) -> torch.Tensor:
     """Graph op: start one ring hop of `tensors`; returns its handle for `ring_wait`."""
     return torch.tensor(shift_start(tensors, group_name, shift, tag, where))
 

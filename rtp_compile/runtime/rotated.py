@@ -11,19 +11,28 @@ autograd Functions here hold no Python object: each passes its runtime module's 
 (`registry.Keyed`) and what it saved to one custom op per backward, whose implementation finds
 the module and runs it eagerly (the same holds for `gathered` and `small`).
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 
 from rtp_compile.core.ir import Action
 from rtp_compile.runtime import packing, ring, transaction
+from rtp_compile.runtime.collectives import GradientRing
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
 from rtp_compile.runtime.precision import Precision
-from rtp_compile.runtime.collectives import GradientRing
-from rtp_compile.runtime.registry import (Keyed, autograd_in_op, decode, distinct, encode,
-                                          graph_op, laid_out_like, lookup, save_values,
-                                          saved_values)
+from rtp_compile.runtime.registry import (
+    Keyed,
+    autograd_in_op,
+    decode,
+    distinct,
+    encode,
+    graph_op,
+    laid_out_like,
+    lookup,
+    save_values,
+    saved_values,
+)
 
 
 class _UnitGrad(torch.autograd.Function):
@@ -34,7 +43,9 @@ class _UnitGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, key, n_own, ticket, y, x, *tensors):
         ctx.key, ctx.n_own = key, n_own
-        save_values(ctx, (ticket, x, *tensors))  # a fused block's externals may be sizes, not tensors
+        save_values(
+            ctx, (ticket, x, *tensors)
+        )  # a fused block's externals may be sizes, not tensors
         return y
 
     @staticmethod
@@ -44,14 +55,20 @@ class _UnitGrad(torch.autograd.Function):
         needs = ctx.needs_input_grad
         # in a bucket the shards' gradients go into the bucket's rows; the ticket's gradient
         # (zero) makes the bucket's backward wait for every unit's
-        need_dx, own_needs = needs[4], needs[5:5 + n_own]
+        need_dx, own_needs = needs[4], needs[5 : 5 + n_own]
         grads = iter(unit_backward(ctx.key, dy, *encode(values), need_dx, any(own_needs)))
         d_ticket = next(grads) if ticket is not None else None
         dx = next(grads) if need_dx else None
         own = [next(grads) if any(own_needs) and ticket is None else None for _ in own_needs]
-        return (None, None, d_ticket, None, dx,
-                *[g if need else None for g, need in zip(own, own_needs)],
-                *[None] * (len(values) - 2 - n_own))
+        return (
+            None,
+            None,
+            d_ticket,
+            None,
+            dx,
+            *[g if need else None for g, need in zip(own, own_needs)],
+            *[None] * (len(values) - 2 - n_own),
+        )
 
 
 class UnitRuntime(Keyed):
@@ -61,8 +78,18 @@ class UnitRuntime(Keyed):
 
     bucket = None  # the BucketRuntime of the unit's bucket, if it is in one
 
-    def __init__(self, name, roles, layouts, rank, world_size, group_name,
-                 schedule: UnitSchedule, grad_scale, precision: Precision):
+    def __init__(
+        self,
+        name,
+        roles,
+        layouts,
+        rank,
+        world_size,
+        group_name,
+        schedule: UnitSchedule,
+        grad_scale,
+        precision: Precision,
+    ):
         super().__init__()
         self.unit_name, self.roles, self.layouts = name, list(roles), layouts
         self.rank, self.world_size, self.group_name = rank, world_size, group_name
@@ -70,8 +97,9 @@ class UnitRuntime(Keyed):
         self.compute_dtype = precision.compute(layouts[0].dtype)
         self.reduce_dtype = precision.reduce(layouts[0].dtype)
         self.shapes = {r: lay.shape for r, lay in zip(self.roles, layouts)}
-        self.slots = [{r: lay.slot(s) for r, lay in zip(self.roles, layouts)}
-                      for s in range(world_size)]  # per shard: where each role's part lies
+        self.slots = [
+            {r: lay.slot(s) for r, lay in zip(self.roles, layouts)} for s in range(world_size)
+        ]  # per shard: where each role's part lies
         self.register(name)
 
     def forward(self, y, x, *tensors, ticket=None):
@@ -116,8 +144,11 @@ class UnitRuntime(Keyed):
             grads = _BucketGrads(bucket, self.unit_name) if need_dw else None
         else:
             fetch = _UnitFetch(own, self.group_name, where)
-            grads = GradientRing(self.layouts, self.group_name, where, own[0],
-                                 self.reduce_dtype) if need_dw else None
+            grads = (
+                GradientRing(self.layouts, self.group_name, where, own[0], self.reduce_dtype)
+                if need_dw
+                else None
+            )
         scratches = {}
         for event in self.schedule.backward:
             j, action = event.step, event.action
@@ -141,8 +172,16 @@ class UnitRuntime(Keyed):
             elif action == Action.WEIGHT_GRAD:
                 if need_dw:
                     shards = dict(zip(self.roles, own if j == n - 1 else fetch.held(j)))
-                    self._add_weight_grads(s, dy, x, shards, slots, saved,
-                                           dict(zip(self.roles, grads.real_parts(s))), scratch)
+                    self._add_weight_grads(
+                        s,
+                        dy,
+                        x,
+                        shards,
+                        slots,
+                        saved,
+                        dict(zip(self.roles, grads.real_parts(s))),
+                        scratch,
+                    )
                 del scratches[j]  # the step is done
             elif action == Action.PASS and need_dw:
                 grads.pass_on(j, event.tag)
@@ -167,8 +206,9 @@ class _UnitFetch:
         self.current, self.incoming = own, None
 
     def start(self, step, tag):
-        self.incoming = ring.shift_start(self.current, self.group_name, -1, tag,
-                                         f"{self.where}: weight hop {step}")
+        self.incoming = ring.shift_start(
+            self.current, self.group_name, -1, tag, f"{self.where}: weight hop {step}"
+        )
 
     def wait(self, step):
         self.current = packing.unpack(ring.wait(self.incoming), packing.specs_of(self.own))
@@ -217,10 +257,30 @@ class RotatedOpRuntime(UnitRuntime):
     """One rotated op: its rule's step backward, nothing saved but the activation (and the
     values its parameter chain reads, such as a dtype: `saved`)."""
 
-    def __init__(self, name, call, mode, layouts, rank, world_size, group_name, schedule,
-                 grad_scale, precision):
-        super().__init__(name, call.params, layouts, rank, world_size, group_name, schedule,
-                         grad_scale, precision)
+    def __init__(
+        self,
+        name,
+        call,
+        mode,
+        layouts,
+        rank,
+        world_size,
+        group_name,
+        schedule,
+        grad_scale,
+        precision,
+    ):
+        super().__init__(
+            name,
+            call.params,
+            layouts,
+            rank,
+            world_size,
+            group_name,
+            schedule,
+            grad_scale,
+            precision,
+        )
         self.rule, self.mode, self.call = call.rule, mode, call
 
     def extra_repr(self) -> str:
@@ -229,18 +289,27 @@ class RotatedOpRuntime(UnitRuntime):
 
     def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
         if dx is not None:
-            self.rule.input_grad(self.mode, self.call.run_options(saved), dy, x, shards, slots,
-                                 self.shapes, dx)
+            self.rule.input_grad(
+                self.mode, self.call.run_options(saved), dy, x, shards, slots, self.shapes, dx
+            )
 
     def step_weight_grads(self, shard, dy, x, shards, slots, saved, into, scratch):
-        self.rule.weight_grads(self.mode, self.call.run_options(saved), dy, x, shards, slots,
-                               self.shapes, into)
+        self.rule.weight_grads(
+            self.mode, self.call.run_options(saved), dy, x, shards, slots, self.shapes, into
+        )
 
 
 @graph_op("unit_backward")
-def unit_backward(key: str, dy: torch.Tensor, tensors: list[torch.Tensor], ints: list[int],
-                  floats: list[float], kinds: list[int], need_dx: bool,
-                  need_dw: bool) -> list[torch.Tensor]:
+def unit_backward(
+    key: str,
+    dy: torch.Tensor,
+    tensors: list[torch.Tensor],
+    ints: list[int],
+    floats: list[float],
+    kinds: list[int],
+    need_dx: bool,
+    need_dw: bool,
+) -> list[torch.Tensor]:
     """Graph op: the backward of the unit registered under `key`, on what its forward saved
     (`registry.encode`d): the ticket's gradient (in a bucket), dx, the own shards' gradients."""
     values = decode(tensors, ints, floats, kinds)
@@ -253,12 +322,17 @@ def _unit_grad_refs(key, values, need_dx, need_dw) -> list[torch.Tensor]:
     """What `unit_backward` returns the gradients of: the ticket (in a bucket), x if
     `need_dx`, the own shards if `need_dw` (outside a bucket)."""
     ticket, x, *rest = values
-    own = rest[:len(lookup(key).roles)]
-    return ([] if ticket is None else [ticket]) + ([x] if need_dx else []) + \
-        (own if need_dw and ticket is None else [])
+    own = rest[: len(lookup(key).roles)]
+    return (
+        ([] if ticket is None else [ticket])
+        + ([x] if need_dx else [])
+        + (own if need_dw and ticket is None else [])
+    )
 
 
 @unit_backward.op.register_fake
 def _(key, dy, tensors, ints, floats, kinds, need_dx, need_dw):
-    return [torch.empty_like(t) for t in _unit_grad_refs(key, decode(tensors, ints, floats, kinds),
-                                                          need_dx, need_dw)]
+    return [
+        torch.empty_like(t)
+        for t in _unit_grad_refs(key, decode(tensors, ints, floats, kinds), need_dx, need_dw)
+    ]

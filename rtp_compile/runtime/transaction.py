@@ -19,6 +19,7 @@ adds the set-aside gradients, and a failed reduction rolls back like a failed un
 A `register_post_accumulate_grad_hook` on a shard sees only this backward's gradient where
 `.grad` held one before it (gradient accumulation); `torch.autograd.grad` is unaffected.
 """
+
 from __future__ import annotations
 
 import functools
@@ -70,6 +71,7 @@ class GradTransaction:
                 p.grad = old if p.grad is None else old.add_(p.grad)
         self.set_aside = None
         self.params = []  # nothing left to roll back; keep no shard alive through this module
+
     def roll_back(self) -> None:
         """Every shard's .grad as the backward found it. A backward that opened and did not
         commit raised: its ring is broken (its peers may wait on this rank)."""
@@ -86,6 +88,7 @@ def transactional(backward):
     """Wrap a runtime module's backward method: open the transaction of the rank module it runs
     in (`runtime.transaction`; None: none, e.g. a copy's); if the backward raises, roll it back,
     which breaks the ring (the next forward re-forms it) and abandons the hops left in flight."""
+
     @functools.wraps(backward)
     def wrapped(runtime, *args):
         transaction = runtime.transaction
@@ -97,4 +100,5 @@ def transactional(backward):
         except BaseException:
             transaction.roll_back()  # breaks the ring: what is in flight is abandoned
             raise
+
     return wrapped

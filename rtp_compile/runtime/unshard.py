@@ -8,6 +8,7 @@ read of the parameter, which the rank program rotates: nothing is gathered there
 Arguments: the shard, the full `shape`, the shard `dim` (-1: the flattened parameter is cut),
 the ring's `group_name` ('' for the whole job) and `grad_scale`.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,9 @@ def _gathered(shard: torch.Tensor, group_name: str) -> list[torch.Tensor]:
 
 
 @torch.library.custom_op("rtp::unshard", mutates_args=())
-def unshard(shard: torch.Tensor, shape: list[int], dim: int, group_name: str,
-            grad_scale: float) -> torch.Tensor:
+def unshard(
+    shard: torch.Tensor, shape: list[int], dim: int, group_name: str, grad_scale: float
+) -> torch.Tensor:
     d = max(dim, 0)  # -1: the flattened parameter, cut along its only dim
     full = torch.cat(_gathered(shard, group_name), d)
     full = full.narrow(d, 0, shape[d] if dim >= 0 else math.prod(shape))
@@ -48,7 +50,7 @@ def _backward(ctx, grad: torch.Tensor):
     flat = grad.reshape(-1) if dim < 0 else grad
     n = dist.get_world_size(resolve_group(group_name)) if dist.is_initialized() else 1
     length = shard_shape[d]
-    padded = flat.new_zeros(flat.shape[:d] + (length * n,) + flat.shape[d + 1:])
+    padded = flat.new_zeros(flat.shape[:d] + (length * n,) + flat.shape[d + 1 :])
     padded.narrow(d, 0, flat.shape[d]).copy_(flat)
     if n > 1:
         dist.all_reduce(padded, group=resolve_group(group_name))
@@ -58,8 +60,12 @@ def _backward(ctx, grad: torch.Tensor):
 
 def _setup(ctx, inputs, output):
     shard, _, dim, group_name, grad_scale = inputs
-    ctx.shard_shape, ctx.dim, ctx.group_name, ctx.scale = \
-        tuple(shard.shape), dim, group_name, grad_scale
+    ctx.shard_shape, ctx.dim, ctx.group_name, ctx.scale = (
+        tuple(shard.shape),
+        dim,
+        group_name,
+        grad_scale,
+    )
 
 
 unshard.register_autograd(_backward, setup_context=_setup)

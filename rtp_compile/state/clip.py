@@ -7,21 +7,26 @@ sees only this rank's shards and returns (and clips by) a *local* norm, differen
 shards' gradients, gathers the N norms and combines them the way torch combines per-parameter
 norms, so every rank gets the same total and scales its shards by the same factor.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from rtp_compile.state import shard_registry
-from rtp_compile.runtime.job import job_of
 from rtp_compile.core.layout import real_part
-from rtp_compile.state.program_state import state_of
 from rtp_compile.runtime import groups
-from rtp_compile.runtime.job import JobCheck
+from rtp_compile.runtime.job import JobCheck, job_of
+from rtp_compile.state import shard_registry
+from rtp_compile.state.program_state import state_of
 
 
-def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    gm: nn.Module,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
     """Clip the gradients of a rank module's shards in place by the norm of the *full*
     gradients, over all ranks of its group; return that total norm (a tensor, as torch's).
     `gm` may also be a model trained through the compile backend (`backend="rtp"`, after its
@@ -46,18 +51,23 @@ def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
     """
     norm_type = float(norm_type)
     if not norm_type > 0:
-        raise ValueError(f"rtp_compile.clip_grad_norm_: norm_type must be > 0 or inf, got "
-                         f"{norm_type}")
+        raise ValueError(
+            f"rtp_compile.clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type}"
+        )
     if isinstance(getattr(gm, "rtp_job", None), JobCheck):
         job, layouts = job_of(gm), state_of(gm).layouts
         params = [p for p in gm.parameters() if p.grad is not None]
-        parts = [_real_grad(p.grad, layouts[name], job.rank)
-                 for name, p in gm.named_parameters() if p.grad is not None]
+        parts = [
+            _real_grad(p.grad, layouts[name], job.rank)
+            for name, p in gm.named_parameters()
+            if p.grad is not None
+        ]
         world_size, group_name = job.world_size, job.group_name
     else:
         params, parts, world_size, group_name = _model_shard_grads(gm)
-    local = torch.nn.utils.get_total_norm([part for part in parts if part.numel()], norm_type,
-                                          foreach=foreach)
+    local = torch.nn.utils.get_total_norm(
+        [part for part in parts if part.numel()], norm_type, foreach=foreach
+    )
     if world_size > 1:
         norms = [torch.empty_like(local) for _ in range(world_size)]
         groups.all_gather(norms, local, group_name)
@@ -68,7 +78,8 @@ def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
         raise RuntimeError(
             f"rtp_compile.clip_grad_norm_: the total norm of order {norm_type} of the gradients "
             "over all ranks is non-finite, so it cannot be clipped. To disable this error and "
-            "scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+            "scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
     return total
 
@@ -76,25 +87,34 @@ def clip_grad_norm_(gm: nn.Module, max_norm: float, norm_type: float = 2.0,
 def _model_shard_grads(model: nn.Module):
     """(shards with a gradient, the real part of each gradient, world size, group name) of a
     model that trains through the compile backend or was sharded by `rtp_compile.shard`."""
-    entries = {id(e.shard): e for p in model.parameters()
-               if (e := shard_registry.entry_of(p)) is not None}
-    stray = [n for n, p in model.named_parameters()
-             if shard_registry.entry_of(p) is None and p.grad is not None]
+    entries = {
+        id(e.shard): e for p in model.parameters() if (e := shard_registry.entry_of(p)) is not None
+    }
+    stray = [
+        n
+        for n, p in model.named_parameters()
+        if shard_registry.entry_of(p) is None and p.grad is not None
+    ]
     if stray or not entries:
         raise ValueError(
             f"rtp_compile.clip_grad_norm_: expected a rank module (prog.module(rank)), a model "
             f"compiled with backend='rtp' after its first call, or one sharded by "
             f"rtp_compile.shard; {type(model).__name__} has "
-            + (f"unsharded parameters with gradients ({', '.join(stray[:4])})" if stray
-               else "no sharded parameter"))
+            + (
+                f"unsharded parameters with gradients ({', '.join(stray[:4])})"
+                if stray
+                else "no sharded parameter"
+            )
+        )
     groups = {(e.layout.world_size, e.group_name) for e in entries.values()}
     if len(groups) > 1:
-        raise ValueError(f"rtp_compile.clip_grad_norm_: the model's shards live on several "
-                         f"rings {sorted(groups)}; clip each ring's parameters separately")
+        raise ValueError(
+            f"rtp_compile.clip_grad_norm_: the model's shards live on several "
+            f"rings {sorted(groups)}; clip each ring's parameters separately"
+        )
     with_grad = [e for e in entries.values() if e.shard.grad is not None]
-    (world_size, group_name), = groups
-    return [e.shard for e in with_grad], [e.real_grad() for e in with_grad], world_size, \
-        group_name
+    ((world_size, group_name),) = groups
+    return [e.shard for e in with_grad], [e.real_grad() for e in with_grad], world_size, group_name
 
 
 def _real_grad(grad: torch.Tensor, layout, rank: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ a job that dies during a save leaves the previous checkpoint at `path` intact. A
 into fresh shards and copies them into the parameters and the optimizer only once all of the
 checkpoint has been read and checked.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,11 +36,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 
 from rtp_compile.runtime.job import job_of
 from rtp_compile.state.dcp_planners import ShardChunks, ShardLoadPlanner, ShardSavePlanner
@@ -47,8 +51,14 @@ from rtp_compile.state.model_state import computed_state, hooked_native_keys, to
 from rtp_compile.state.program_state import ProgramState, state_of
 
 
-def save(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra=None,
-         *, process_group: dist.ProcessGroup | None = None) -> None:
+def save(
+    path,
+    gm: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra=None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
     """Collective (every rank of the job, `process_group` default the whole job): write `gm`'s
     shards, its buffers, `optimizer`'s state and this rank's `extra` (any picklable value:
     step, data position, this rank's RNG state) to the DCP checkpoint directory `path`. On a
@@ -65,13 +75,16 @@ def save(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None, ex
     state["extra"] = {f"rank{_job_rank(process_group)}": buffer.getvalue()}
     final = Path(path)
     staging = final.with_name(final.name + ".partial")
-    with _collective("save", process_group,
-                     f"{final} still holds the previous checkpoint, if any"):
+    with _collective("save", process_group, f"{final} still holds the previous checkpoint, if any"):
         if _job_rank(process_group) == 0:
             shutil.rmtree(staging, ignore_errors=True)
         _barrier(process_group)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(staging),
-                 planner=ShardSavePlanner(), process_group=process_group)
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(staging),
+            planner=ShardSavePlanner(),
+            process_group=process_group,
+        )
         if _job_rank(process_group) == 0:  # every rank has written; the metadata is complete
             previous = final.with_name(final.name + ".previous")
             shutil.rmtree(previous, ignore_errors=True)
@@ -82,8 +95,13 @@ def save(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None, ex
         _barrier(process_group)
 
 
-def load(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         *, process_group: dist.ProcessGroup | None = None):
+def load(
+    path,
+    gm: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+):
     """Collective: read the checkpoint at `path` (saved by any number of ranks) into `gm`'s
     shards and buffers and into `optimizer` (its parameter groups must name the same
     parameters as the saved ones'); returns the `extra` this rank saved (in a job larger than
@@ -92,8 +110,10 @@ def load(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     pstate, rank = state_of(gm), job_of(gm).rank
     path = Path(path)
     if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"rtp_compile.checkpoint.load: {path} is not a complete DCP "
-                                f"checkpoint (no .metadata file)")
+        raise FileNotFoundError(
+            f"rtp_compile.checkpoint.load: {path} is not a complete DCP "
+            f"checkpoint (no .metadata file)"
+        )
     reader = dcp.FileSystemReader(path)
     metadata = reader.read_metadata()
     state = {"model": _model_targets(pstate, gm, rank, metadata)}
@@ -103,8 +123,9 @@ def load(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     extra_key = own if f"extra.{own}" in metadata.state_dict_metadata else "rank0"
     state["extra"] = {extra_key: None}
     with _collective("load", process_group, "no parameter or optimizer state was changed"):
-        dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(),
-                 process_group=process_group)
+        dcp.load(
+            state, storage_reader=reader, planner=ShardLoadPlanner(), process_group=process_group
+        )
     _copy_model(pstate, gm, rank, state["model"], metadata)
     if optimizer is not None:
         optimizer.load_state_dict(_optimizer_state_dict(gm, optimizer, state["optimizer"]))
@@ -112,8 +133,9 @@ def load(path, gm: nn.Module, optimizer: torch.optim.Optimizer | None = None,
 
 
 # -- the model ------------------------------------------------------------------------------
-def _model_entries(pstate: ProgramState, gm: nn.Module, rank: int,
-                   first: bool) -> dict[str, object]:
+def _model_entries(
+    pstate: ProgramState, gm: nn.Module, rank: int, first: bool
+) -> dict[str, object]:
     """Every key of the model's state_dict: this rank's shard of each parameter (under each of
     its names); on the job's `first` rank, the buffers (as with DDP, the first rank's are what
     every rank's next forward takes; each rank's own can differ, as BatchNorm's statistics do)
@@ -124,8 +146,7 @@ def _model_entries(pstate: ProgramState, gm: nn.Module, rank: int,
     for key, source in sources.items():
         name = None if source is None else pstate.alias_of(source)
         if name is not None:
-            entries[key] = ShardChunks(gm.get_parameter(name).detach(), pstate.layouts[name],
-                                       rank)
+            entries[key] = ShardChunks(gm.get_parameter(name).detach(), pstate.layouts[name], rank)
         elif source is not None and first:
             entries[key] = gm.get_buffer(source).detach()
     if None in sources.values():
@@ -135,8 +156,9 @@ def _model_entries(pstate: ProgramState, gm: nn.Module, rank: int,
     return {k: entries[k] for k in sources if k in entries}
 
 
-def _model_targets(pstate: ProgramState, gm: nn.Module, rank: int,
-                   metadata: Metadata) -> dict[str, object]:
+def _model_targets(
+    pstate: ProgramState, gm: nn.Module, rank: int, metadata: Metadata
+) -> dict[str, object]:
     """Fresh tensors to read the model into, by state_dict key: a zero shard per parameter
     (read under the first of its keys the checkpoint has), a copy per buffer, a whole tensor
     per key the model's hooks compute; every key and shape checked."""
@@ -158,8 +180,11 @@ def _model_targets(pstate: ProgramState, gm: nn.Module, rank: int,
                 continue
             done.add(name)
             shape, param = tuple(layout.shape), gm.get_parameter(name)
-            targets[key] = ShardChunks(torch.zeros(layout.shard_shape, dtype=param.dtype,
-                                                   device=param.device), layout, rank)
+            targets[key] = ShardChunks(
+                torch.zeros(layout.shard_shape, dtype=param.dtype, device=param.device),
+                layout,
+                rank,
+            )
         elif f"model.{key}" not in saved:
             missing.append(key)
             continue
@@ -175,17 +200,22 @@ def _model_targets(pstate: ProgramState, gm: nn.Module, rank: int,
         if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != shape:
             wrong.append(f"{key} is {_describe(md)} in the checkpoint, the model has {shape}")
     if missing:
-        raise KeyError(f"rtp_compile.checkpoint.load: the checkpoint has no "
-                       f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}; nothing "
-                       f"was loaded")
+        raise KeyError(
+            f"rtp_compile.checkpoint.load: the checkpoint has no "
+            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}; nothing "
+            f"was loaded"
+        )
     if wrong:
-        raise ValueError(f"rtp_compile.checkpoint.load: {'; '.join(wrong[:8])}"
-                         f"{' ...' if len(wrong) > 8 else ''}; nothing was loaded")
+        raise ValueError(
+            f"rtp_compile.checkpoint.load: {'; '.join(wrong[:8])}"
+            f"{' ...' if len(wrong) > 8 else ''}; nothing was loaded"
+        )
     return targets
 
 
-def _copy_model(pstate: ProgramState, gm: nn.Module, rank: int, loaded: dict[str, object],
-                metadata: Metadata) -> None:
+def _copy_model(
+    pstate: ProgramState, gm: nn.Module, rank: int, loaded: dict[str, object], metadata: Metadata
+) -> None:
     """Put what was read into `gm`: shards and buffers as they are; the tensors of modules
     whose hooks compute keys through the model's own load_state_dict (its load pre-hooks), on
     a skeleton, then cut to this rank's shards."""
@@ -198,11 +228,13 @@ def _copy_model(pstate: ProgramState, gm: nn.Module, rank: int, loaded: dict[str
                 gm.get_buffer(sources[key]).copy_(target)
         if None not in sources.values():
             return
-        stand_ins = {k: loaded[k] if k in loaded and not isinstance(loaded[k], ShardChunks)
-                     and sources[k] is None
-                     else torch.empty(metadata.state_dict_metadata[f"model.{k}"].size,
-                                      device="meta")
-                     for k in sources if f"model.{k}" in metadata.state_dict_metadata}
+        stand_ins = {
+            k: loaded[k]
+            if k in loaded and not isinstance(loaded[k], ShardChunks) and sources[k] is None
+            else torch.empty(metadata.state_dict_metadata[f"model.{k}"].size, device="meta")
+            for k in sources
+            if f"model.{k}" in metadata.state_dict_metadata
+        }
         native = to_native(model, stand_ins, "rtp_compile.checkpoint.load")
         for key in hooked_native_keys(model):
             tensor, name = native[key], pstate.alias_of(key)
@@ -222,15 +254,18 @@ def _parameter_names(gm: nn.Module, optimizer: torch.optim.Optimizer) -> list[st
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in names:
-                raise ValueError(f"rtp_compile.checkpoint: the optimizer holds a {tuple(p.shape)}"
-                                 f" tensor that is not a parameter of the rank module; build it "
-                                 f"on gm.parameters()")
+                raise ValueError(
+                    f"rtp_compile.checkpoint: the optimizer holds a {tuple(p.shape)}"
+                    f" tensor that is not a parameter of the rank module; build it "
+                    f"on gm.parameters()"
+                )
             order.append(names[id(p)])
     return order
 
 
-def _optimizer_entries(pstate: ProgramState, gm: nn.Module, optimizer: torch.optim.Optimizer,
-                       rank: int) -> dict:
+def _optimizer_entries(
+    pstate: ProgramState, gm: nn.Module, optimizer: torch.optim.Optimizer, rank: int
+) -> dict:
     names = _parameter_names(gm, optimizer)
     saved = optimizer.state_dict()
     state = {}
@@ -242,23 +277,35 @@ def _optimizer_entries(pstate: ProgramState, gm: nn.Module, optimizer: torch.opt
             if isinstance(value, torch.Tensor) and value.dim() and value.shape == shard.shape:
                 value = ShardChunks(value.detach(), pstate.layouts[name], rank)
             elif isinstance(value, torch.Tensor) and value.dim():
-                raise ValueError(f"rtp_compile.checkpoint.save: optimizer state {key!r} of "
-                                 f"{name} has shape {tuple(value.shape)}, neither the shard's "
-                                 f"{tuple(shard.shape)} nor a scalar; only per-element state "
-                                 f"(Adam's moments, momentum) and scalars can be sharded")
+                raise ValueError(
+                    f"rtp_compile.checkpoint.save: optimizer state {key!r} of "
+                    f"{name} has shape {tuple(value.shape)}, neither the shard's "
+                    f"{tuple(shard.shape)} nor a scalar; only per-element state "
+                    f"(Adam's moments, momentum) and scalars can be sharded"
+                )
             state[name][key] = value
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+        for g in saved["param_groups"]
+    ]
     return {"state": state, "param_groups": groups}
 
 
-def _optimizer_targets(pstate: ProgramState, gm: nn.Module, optimizer: torch.optim.Optimizer,
-                       rank: int, metadata: Metadata, path: Path) -> dict:
+def _optimizer_targets(
+    pstate: ProgramState,
+    gm: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    metadata: Metadata,
+    path: Path,
+) -> dict:
     """What to read the optimizer into, built from the checkpoint's own structure: a zero shard
     per moment, a tensor per scalar state, the saved values of everything else."""
     if not any(k.startswith("optimizer.") for k in metadata.state_dict_metadata):
-        raise KeyError(f"rtp_compile.checkpoint.load: {path} was saved without an optimizer; "
-                       f"call load(path, gm) without one")
+        raise KeyError(
+            f"rtp_compile.checkpoint.load: {path} was saved without an optimizer; "
+            f"call load(path, gm) without one"
+        )
     names = set(_parameter_names(gm, optimizer))
     targets: dict = {}
     for fqn, md in metadata.state_dict_metadata.items():
@@ -266,17 +313,24 @@ def _optimizer_targets(pstate: ProgramState, gm: nn.Module, optimizer: torch.opt
         if where[0] != "optimizer":
             continue
         if where[1] == "state" and where[2] not in names:
-            raise ValueError(f"rtp_compile.checkpoint.load: the optimizer's parameter groups "
-                             f"differ from the saved ones: the checkpoint has state for "
-                             f"{where[2]}, which the optimizer does not hold")
+            raise ValueError(
+                f"rtp_compile.checkpoint.load: the optimizer's parameter groups "
+                f"differ from the saved ones: the checkpoint has state for "
+                f"{where[2]}, which the optimizer does not hold"
+            )
         if isinstance(md, BytesStorageMetadata):
             value = None
-        elif where[1] == "state" and tuple(md.size) == tuple(pstate.layouts[where[2]].shape) \
-                and len(md.size):
+        elif (
+            where[1] == "state"
+            and tuple(md.size) == tuple(pstate.layouts[where[2]].shape)
+            and len(md.size)
+        ):
             param = gm.get_parameter(where[2])
-            value = ShardChunks(torch.zeros(param.shape, dtype=md.properties.dtype,
-                                            device=param.device),
-                                pstate.layouts[where[2]], rank)
+            value = ShardChunks(
+                torch.zeros(param.shape, dtype=md.properties.dtype, device=param.device),
+                pstate.layouts[where[2]],
+                rank,
+            )
         else:
             value = torch.empty(md.size, dtype=md.properties.dtype)
         set_element(targets, where[1:], value)
@@ -291,16 +345,20 @@ def _optimizer_state_dict(gm: nn.Module, optimizer: torch.optim.Optimizer, loade
     current = [[next(held) for _ in g["params"]] for g in optimizer.param_groups]
     groups = loaded["param_groups"]
     if [sorted(g["params"]) for g in groups] != [sorted(c) for c in current]:
-        raise ValueError("rtp_compile.checkpoint.load: the optimizer's parameter groups differ "
-                         "from the saved ones; build it on the same parameters, grouped as the "
-                         "saving job did")
-    state = {index[name]: {k: v.shard if isinstance(v, ShardChunks) else v
-                           for k, v in values.items()}
-             for name, values in loaded.get("state", {}).items()}
+        raise ValueError(
+            "rtp_compile.checkpoint.load: the optimizer's parameter groups differ "
+            "from the saved ones; build it on the same parameters, grouped as the "
+            "saving job did"
+        )
+    state = {
+        index[name]: {k: v.shard if isinstance(v, ShardChunks) else v for k, v in values.items()}
+        for name, values in loaded.get("state", {}).items()
+    }
     # load_state_dict pairs each group's "params" with the optimizer's, in the optimizer's order
-    return {"state": state,
-            "param_groups": [{**g, "params": [index[n] for n in c]}
-                             for g, c in zip(groups, current)]}
+    return {
+        "state": state,
+        "param_groups": [{**g, "params": [index[n] for n in c]} for g, c in zip(groups, current)],
+    }
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -321,7 +379,8 @@ def _collective(what: str, group, state_note: str):
             f"rtp_compile.checkpoint.{what}: rank {dist.get_rank(group)} of "
             f"{dist.get_world_size(group)} failed in the {what}'s collectives: another rank "
             f"probably died or raised (see its error); {state_note}. "
-            f"{type(err).__name__}: {err}") from err
+            f"{type(err).__name__}: {err}"
+        ) from err
 
 
 def _job_rank(group) -> int:

@@ -12,6 +12,7 @@ zero when loaded, whatever world size saved it.
 `ShardLoadPlanner` (DCP's default planners) look its chunks up, so the directory written is a
 standard DCP checkpoint whose tensors have the model's full shapes.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,11 @@ import math
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from rtp_compile.core.layout import ParamLayout
@@ -38,16 +42,22 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]
     row = math.prod(shape[1:])
     if start // row == (stop - 1) // row:  # inside one row: recurse into it
         first = start // row
-        return [((first,) + o, (1,) + s)
-                for o, s in flat_range_boxes(shape[1:], start - first * row, stop - first * row)]
+        return [
+            ((first,) + o, (1,) + s)
+            for o, s in flat_range_boxes(shape[1:], start - first * row, stop - first * row)
+        ]
     boxes: list[Box] = []
     if start % row:  # the partial first row
         boxes += flat_range_boxes(shape, start, (start // row + 1) * row)
         start = (start // row + 1) * row
     whole_end = stop // row * row
     if whole_end > start:  # whole rows
-        boxes.append(((start // row,) + (0,) * (len(shape) - 1),
-                      ((whole_end - start) // row,) + tuple(shape[1:])))
+        boxes.append(
+            (
+                (start // row,) + (0,) * (len(shape) - 1),
+                ((whole_end - start) // row,) + tuple(shape[1:]),
+            )
+        )
     if stop > whole_end:  # the partial last row
         boxes += flat_range_boxes(shape, whole_end, stop)
     return boxes
@@ -66,8 +76,9 @@ class ShardChunks:
         if layout.dim is None:
             flat, taken = shard.reshape(-1), 0
             self.boxes = {}
-            for offsets, sizes in flat_range_boxes(layout.shape, slot.offset,
-                                                   slot.offset + slot.valid):
+            for offsets, sizes in flat_range_boxes(
+                layout.shape, slot.offset, slot.offset + slot.valid
+            ):
                 size = math.prod(sizes)  # boxes come in flat order, one after another
                 self.boxes[offsets] = (sizes, flat.narrow(0, taken, size).view(sizes))
                 taken += size
@@ -84,15 +95,24 @@ class ShardChunks:
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
         properties = TensorProperties.create_from_tensor(self.shard)
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-                              properties=properties, size=self.full_shape))
-                for offsets, (sizes, _) in self.boxes.items()]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+                    properties=properties,
+                    size=self.full_shape,
+                ),
+            )
+            for offsets, (sizes, _) in self.boxes.items()
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
-                for offsets, (sizes, _) in self.boxes.items()]
+        return [
+            ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+            for offsets, (sizes, _) in self.boxes.items()
+        ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         return self.boxes[tuple(index.offset)][1]
@@ -107,8 +127,11 @@ class ShardSavePlanner(DefaultSavePlanner):
         obj = self.state_dict[index.fqn]
         if isinstance(obj, ShardChunks):
             box = obj.__get_tensor_shard__(index).detach()
-            whole = box.is_contiguous() and box.storage_offset() == 0 and \
-                box.numel() * box.element_size() == box.untyped_storage().nbytes()
+            whole = (
+                box.is_contiguous()
+                and box.storage_offset() == 0
+                and box.numel() * box.element_size() == box.untyped_storage().nbytes()
+            )
             return box if whole else box.clone()
         return super().lookup_object(index)
 

@@ -10,6 +10,7 @@ first of its names the checkpoint has. Persistent buffers come from the checkpoi
 non-persistent ones (rotary `inv_freq`, ...) are recomputed by their module's initialisers
 (`rtp_compile.state.materialize`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,8 +75,10 @@ class SafetensorsSource(CheckpointSource):
         try:
             from safetensors import safe_open
         except ImportError as err:
-            raise ImportError("rtp_compile: reading a .safetensors checkpoint needs the "
-                              "`safetensors` package (pip install safetensors)") from err
+            raise ImportError(
+                "rtp_compile: reading a .safetensors checkpoint needs the "
+                "`safetensors` package (pip install safetensors)"
+            ) from err
         self.description = description
         self.stack = contextlib.ExitStack()
         self.where: dict[str, object] = {}
@@ -104,7 +107,7 @@ class SafetensorsSource(CheckpointSource):
             return piece[index]
         row = max(1, math.prod(shape[1:]))
         first, last = slot.offset // row, -(-(slot.offset + slot.valid) // row)  # whole rows
-        rows = piece[first:max(last, first)]
+        rows = piece[first : max(last, first)]
         return rows.reshape(-1).narrow(0, slot.offset - first * row, slot.valid)
 
     def close(self):
@@ -117,15 +120,18 @@ def open_checkpoint(checkpoint) -> CheckpointSource:
     if isinstance(checkpoint, Mapping):
         return DictSource(checkpoint)
     if not isinstance(checkpoint, (str, os.PathLike)):
-        raise TypeError(f"rtp_compile: a checkpoint is a state_dict or a path (torch.save file, "
-                        f".safetensors file or a directory of them), got "
-                        f"{type(checkpoint).__name__}")
+        raise TypeError(
+            f"rtp_compile: a checkpoint is a state_dict or a path (torch.save file, "
+            f".safetensors file or a directory of them), got "
+            f"{type(checkpoint).__name__}"
+        )
     path = Path(checkpoint)
     if path.is_dir():
         files = sorted(path.glob("*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"rtp_compile: checkpoint directory {path} has no "
-                                    f".safetensors files")
+            raise FileNotFoundError(
+                f"rtp_compile: checkpoint directory {path} has no .safetensors files"
+            )
         return SafetensorsSource(files, f"the checkpoint {path}")
     if not path.exists():
         raise FileNotFoundError(f"rtp_compile: checkpoint {path} does not exist")
@@ -134,17 +140,25 @@ def open_checkpoint(checkpoint) -> CheckpointSource:
     try:
         sd = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
     except Exception as err:
-        raise ValueError(f"rtp_compile: could not open checkpoint {path} with torch.load(mmap="
-                         f"True, weights_only=True): {type(err).__name__}: {err}. Save it with "
-                         f"torch.save(model.state_dict(), path) or as .safetensors.") from err
+        raise ValueError(
+            f"rtp_compile: could not open checkpoint {path} with torch.load(mmap="
+            f"True, weights_only=True): {type(err).__name__}: {err}. Save it with "
+            f"torch.save(model.state_dict(), path) or as .safetensors."
+        ) from err
     if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise ValueError(f"rtp_compile: checkpoint {path} does not hold a state_dict (a mapping "
-                         f"of names to tensors) but a {type(sd).__name__}")
+        raise ValueError(
+            f"rtp_compile: checkpoint {path} does not hold a state_dict (a mapping "
+            f"of names to tensors) but a {type(sd).__name__}"
+        )
     return DictSource(sd, f"the checkpoint {path}")
 
 
-def checkpoint_keys(source: CheckpointSource, layouts: dict[str, ParamLayout],
-                    buffers: dict[str, tuple[int, ...]], what: str) -> dict[str, str]:
+def checkpoint_keys(
+    source: CheckpointSource,
+    layouts: dict[str, ParamLayout],
+    buffers: dict[str, tuple[int, ...]],
+    what: str,
+) -> dict[str, str]:
     """Check, before anything is read or written, that `source` has every parameter (under any
     of its tied names) and buffer with the model's shape; returns the key to read for each.
     KeyError names the missing ones, ValueError the mis-shaped ones."""
@@ -158,21 +172,29 @@ def checkpoint_keys(source: CheckpointSource, layouts: dict[str, ParamLayout],
             continue
         found[name] = key
         if source.shape(key) != tuple(layout.shape):
-            wrong.append(f"parameter {name} has shape {source.shape(key)} in {source.description},"
-                         f" the model has {tuple(layout.shape)}")
+            wrong.append(
+                f"parameter {name} has shape {source.shape(key)} in {source.description},"
+                f" the model has {tuple(layout.shape)}"
+            )
     for name, shape in buffers.items():
         if name not in keys:
             missing.append(f"buffer {name}")
             continue
         found[name] = name
         if source.shape(name) != tuple(shape):
-            wrong.append(f"buffer {name} has shape {source.shape(name)} in {source.description}, "
-                         f"the model has {tuple(shape)}")
+            wrong.append(
+                f"buffer {name} has shape {source.shape(name)} in {source.description}, "
+                f"the model has {tuple(shape)}"
+            )
     if missing:
-        raise KeyError(f"rtp_compile: {what}: {source.description} is missing "
-                       f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}; nothing was "
-                       f"loaded")
+        raise KeyError(
+            f"rtp_compile: {what}: {source.description} is missing "
+            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}; nothing was "
+            f"loaded"
+        )
     if wrong:
-        raise ValueError(f"rtp_compile: {what}: {'; '.join(wrong[:8])}"
-                         f"{' ...' if len(wrong) > 8 else ''}; nothing was loaded")
+        raise ValueError(
+            f"rtp_compile: {what}: {'; '.join(wrong[:8])}"
+            f"{' ...' if len(wrong) > 8 else ''}; nothing was loaded"
+        )
     return found

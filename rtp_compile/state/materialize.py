@@ -42,6 +42,7 @@ materialise the reference on the same device type.
 Checkpoint loading, the other way: `rtp_compile.state.full_state`; what a rank installs:
 `rtp_compile.state.rank_tensors`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -118,14 +119,16 @@ def initialisers(root: nn.Module, name: str) -> list[tuple[str, object]]:
         owner = root.get_submodule(".".join(parts[:depth]))
         fn = getattr(owner, "_init_weights", None)
         if callable(fn) and _takes_module(fn):
-            found.append((f"{type(owner).__name__}._init_weights({kind})",
-                          lambda fn=fn: fn(module)))
+            found.append(
+                (f"{type(owner).__name__}._init_weights({kind})", lambda fn=fn: fn(module))
+            )
             break
     return found
 
 
-def init_module(root: nn.Module, name: str, params: list[str], buffers: list[str],
-                device, seed: int) -> dict[str, torch.Tensor]:
+def init_module(
+    root: nn.Module, name: str, params: list[str], buffers: list[str], device, seed: int
+) -> dict[str, torch.Tensor]:
     """Materialise the direct parameters `params` and buffers `buffers` of module `name` of `root`
     on `device` by its initialisers (see the module docstring); returns them by leaf name.
 
@@ -141,16 +144,19 @@ def init_module(root: nn.Module, name: str, params: list[str], buffers: list[str
                 continue
             if leaf in params:
                 fresh[leaf] = module._parameters[leaf] = nn.Parameter(
-                    torch.zeros(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+                    torch.zeros(p.shape, dtype=p.dtype, device=device), p.requires_grad
+                )
             elif p.device.type != "meta":  # someone else's (a tied alias), or not to be touched
-                module._parameters[leaf] = nn.Parameter(torch.empty_like(p, device="meta"),
-                                                        p.requires_grad)
+                module._parameters[leaf] = nn.Parameter(
+                    torch.empty_like(p, device="meta"), p.requires_grad
+                )
         for leaf, b in saved_b.items():
             if b is None:
                 continue
             if leaf in buffers:
-                fresh[leaf] = module._buffers[leaf] = torch.zeros(b.shape, dtype=b.dtype,
-                                                                  device=device)
+                fresh[leaf] = module._buffers[leaf] = torch.zeros(
+                    b.shape, dtype=b.dtype, device=device
+                )
             elif b.device.type != "meta":
                 module._buffers[leaf] = torch.empty_like(b, device="meta")
         steps = initialisers(root, name)
@@ -168,10 +174,14 @@ def init_module(root: nn.Module, name: str, params: list[str], buffers: list[str
                     raise RuntimeError(
                         f"rtp_compile: the initialisers of {where} replaced {leaf} with "
                         f"{'None' if now is None else tuple(now.shape)}, expected shape "
-                        f"{tuple(before.shape)}")
+                        f"{tuple(before.shape)}"
+                    )
                 now = now.detach().to(device, before.dtype)
-            elif before.numel() and before.untyped_storage().data_ptr() not in watch.written \
-                    and before.untyped_storage().data_ptr() == storage[leaf]:  # `.data = ...`
+            elif (
+                before.numel()
+                and before.untyped_storage().data_ptr() not in watch.written
+                and before.untyped_storage().data_ptr() == storage[leaf]
+            ):  # `.data = ...`
                 kind = "parameter" if leaf in params else "buffer"
                 tried = ", ".join(d for d, _ in steps) or "none found"
                 raise RuntimeError(
@@ -180,7 +190,8 @@ def init_module(root: nn.Module, name: str, params: list[str], buffers: list[str
                     f"its module wrote it (tried: {tried}). Give {type(module).__name__} a "
                     f"reset_parameters() that fills it, or handle it in the model's "
                     f"_init_weights(module), or load the values from a checkpoint: "
-                    f"prog.module(rank, device=..., checkpoint=path).")
+                    f"prog.module(rank, device=..., checkpoint=path)."
+                )
             out[leaf] = now.detach()
         return out
     finally:
@@ -194,8 +205,10 @@ def _owned(model: nn.Module) -> dict[str, tuple[list[str], list[str]]]:
     """Module name -> (parameter leaves, buffer leaves) it owns: a tensor under several names
     belongs to the module of its first name. Modules in `named_modules()` order."""
     owner: dict[int, tuple[str, str]] = {}
-    for kind, items in (("p", model.named_parameters(remove_duplicate=False)),
-                        ("b", model.named_buffers(remove_duplicate=False))):
+    for kind, items in (
+        ("p", model.named_parameters(remove_duplicate=False)),
+        ("b", model.named_buffers(remove_duplicate=False)),
+    ):
         for full, t in items:
             mod, _, leaf = full.rpartition(".")
             owner.setdefault((kind, id(t)), (mod, leaf))

@@ -8,6 +8,7 @@ tensors): the parameter layouts, the buffer names and a *skeleton* of the model 
 and state-dict hooks over empty meta tensors, `model_state.skeleton`), which is all the
 model's own state_dict hooks need.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,11 +17,15 @@ import weakref
 import torch
 from torch import nn
 
+from rtp_compile.core.layout import ParamLayout
 from rtp_compile.runtime.job import job_of
 from rtp_compile.state.full_state import checkpoint_keys
-from rtp_compile.core.layout import ParamLayout
-from rtp_compile.state.model_state import (open_model_checkpoint, skeleton, state_dict_sources,
-                                     to_model_state_dict)
+from rtp_compile.state.model_state import (
+    open_model_checkpoint,
+    skeleton,
+    state_dict_sources,
+    to_model_state_dict,
+)
 from rtp_compile.state.shard_registry import gather_full
 
 
@@ -29,8 +34,13 @@ class ProgramState:
     `buffer_names` (persistent buffers, native names) and `model`, a meta skeleton of the
     model. Holds no tensor of the model and no graph."""
 
-    def __init__(self, world_size: int, layouts: dict[str, ParamLayout],
-                 buffer_names: list[str], model: nn.Module | None):
+    def __init__(
+        self,
+        world_size: int,
+        layouts: dict[str, ParamLayout],
+        buffer_names: list[str],
+        model: nn.Module | None,
+    ):
         self.world_size, self.layouts, self.buffer_names = world_size, layouts, buffer_names
         self.model = None if model is None else skeleton(model)
         self._aliases = {a: n for n, lay in layouts.items() for a in lay.aliases or (n,)}
@@ -78,15 +88,16 @@ class ProgramState:
             with torch.no_grad():
                 for name, layout in self.layouts.items():
                     param = gm.get_parameter(name)
-                    param.copy_(source.read_shard(keys[name], layout, rank)
-                                .to(param.device, param.dtype))
+                    param.copy_(
+                        source.read_shard(keys[name], layout, rank).to(param.device, param.dtype)
+                    )
                 for name in self.buffer_names:
                     gm.get_buffer(name).copy_(source.read(keys[name]))
         finally:
             source.close()
 
 
-_states: "weakref.WeakKeyDictionary[nn.Module, ProgramState]" = weakref.WeakKeyDictionary()
+_states: weakref.WeakKeyDictionary[nn.Module, ProgramState] = weakref.WeakKeyDictionary()
 
 
 def bind_state(gm: nn.Module, state: ProgramState) -> None:
@@ -100,5 +111,7 @@ def state_of(gm: nn.Module) -> ProgramState:
     try:
         return _states[gm]
     except (KeyError, TypeError):
-        raise ValueError(f"rtp_compile: expected a rank module made by prog.module(rank), got a "
-                         f"{type(gm).__name__}") from None
+        raise ValueError(
+            f"rtp_compile: expected a rank module made by prog.module(rank), got a "
+            f"{type(gm).__name__}"
+        ) from None

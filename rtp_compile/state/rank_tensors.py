@@ -2,6 +2,7 @@
 (its parameter shards, and the buffers and constants that need a value), made by the meta-device
 initialisation of `rtp_compile.state.materialize` or read by `rtp_compile.state.full_state`.
 """
+
 from __future__ import annotations
 
 import operator
@@ -21,6 +22,7 @@ class RankTensors:
     """What `prog.module(rank)` installs: the rank's parameter shards, and the buffers and
     constants that had to be materialised (the rest are copied from the program as they are);
     `device`: where a program captured on the meta device now runs (see `passes.retarget_meta`)."""
+
     shards: dict[str, torch.Tensor]
     attrs: dict[str, torch.Tensor] = field(default_factory=dict)
     device: torch.device | None = None
@@ -44,8 +46,11 @@ def _meta_leftovers(src: fx.GraphModule, bodies, params) -> list[str]:
     for node in src.graph.nodes:
         if node.op == "call_module":
             sub = src.get_submodule(node.target)
-            found += [f"{node.target}.{n}" for n, t in sub.state_dict(keep_vars=True).items()
-                      if isinstance(t, torch.Tensor) and t.is_meta]
+            found += [
+                f"{node.target}.{n}"
+                for n, t in sub.state_dict(keep_vars=True).items()
+                if isinstance(t, torch.Tensor) and t.is_meta
+            ]
     for unit, body in bodies.items():
         params_of_body = {n for n, _ in body.named_parameters()}
         for name, t in _tensor_attrs(body, params_of_body).items():
@@ -54,8 +59,7 @@ def _meta_leftovers(src: fx.GraphModule, bodies, params) -> list[str]:
     return found
 
 
-def rank_tensors(ctx, src: fx.GraphModule, rank: int, device, seed: int,
-                 checkpoint) -> RankTensors:
+def rank_tensors(ctx, src: fx.GraphModule, rank: int, device, seed: int, checkpoint) -> RankTensors:
     """This rank's parameter shards, and the buffers / constants that need a value (meta ones,
     or checkpointed ones), for `prog.module(rank, device=device, seed=seed,
     checkpoint=checkpoint)` of the program `src` compiled in `ctx`."""
@@ -63,28 +67,43 @@ def rank_tensors(ctx, src: fx.GraphModule, rank: int, device, seed: int,
     plan, model = ctx.plan, ctx.model
     target = torch.device(device) if device is not None else None
     attrs_in = _tensor_attrs(src, plan.params)
-    any_meta = any(p.is_meta for p in ctx.params.values()) or \
-        any(t.is_meta for t in attrs_in.values())
+    any_meta = any(p.is_meta for p in ctx.params.values()) or any(
+        t.is_meta for t in attrs_in.values()
+    )
     materialising = any_meta and target is not None and target.type != "meta"
     if checkpoint is not None and any_meta and not materialising:
-        raise ValueError("rtp_compile: loading a checkpoint into a meta-device model needs a real "
-                         "device: prog.module(rank, device='cuda' or 'cpu', checkpoint=path)")
-    source = open_model_checkpoint(checkpoint, model, f"prog.module({rank}, checkpoint=...)") \
-        if checkpoint is not None else None
+        raise ValueError(
+            "rtp_compile: loading a checkpoint into a meta-device model needs a real "
+            "device: prog.module(rank, device='cuda' or 'cpu', checkpoint=path)"
+        )
+    source = (
+        open_model_checkpoint(checkpoint, model, f"prog.module({rank}, checkpoint=...)")
+        if checkpoint is not None
+        else None
+    )
     try:
         persistent = set(ctx.native_keys)
-        loaded = {n: tuple(t.shape) for n, t in attrs_in.items() if n in persistent} \
-            if source is not None else {}
-        keys = checkpoint_keys(source, plan.params, loaded,
-                               f"prog.module({rank}, checkpoint=...)") \
-            if source is not None else {}
+        loaded = (
+            {n: tuple(t.shape) for n, t in attrs_in.items() if n in persistent}
+            if source is not None
+            else {}
+        )
+        keys = (
+            checkpoint_keys(source, plan.params, loaded, f"prog.module({rank}, checkpoint=...)")
+            if source is not None
+            else {}
+        )
         wanted: dict[str, str] = {}  # canonical name of a meta tensor to initialise -> its name
         if materialising:
             _check_materialisable(ctx, src, attrs_in, keys)
-            wanted.update({n: n for n, p in ctx.params.items()
-                           if n not in keys and p.is_meta})
-            wanted.update({_canonical_buffer(model, n): n for n, t in attrs_in.items()
-                           if n not in keys and t.is_meta})
+            wanted.update({n: n for n, p in ctx.params.items() if n not in keys and p.is_meta})
+            wanted.update(
+                {
+                    _canonical_buffer(model, n): n
+                    for n, t in attrs_in.items()
+                    if n not in keys and t.is_meta
+                }
+            )
         shards: dict[str, torch.Tensor] = {}
         attrs: dict[str, torch.Tensor] = {}
         for mod, (params, buffers) in _owned(model).items() if wanted else ():
@@ -127,10 +146,15 @@ def _check_materialisable(ctx, src, attrs_in, keys) -> None:
     the checkpoint; constants and tensors inside called modules cannot."""
     model = ctx.model
     if model is None:
-        raise ValueError("rtp_compile: this program does not know the model it was captured from, "
-                         "so it cannot initialise its meta tensors; load a checkpoint instead")
-    bad = [n for n, t in attrs_in.items() if t.is_meta and n not in keys and
-           not _is_buffer_of(model, n)]
+        raise ValueError(
+            "rtp_compile: this program does not know the model it was captured from, "
+            "so it cannot initialise its meta tensors; load a checkpoint instead"
+        )
+    bad = [
+        n
+        for n, t in attrs_in.items()
+        if t.is_meta and n not in keys and not _is_buffer_of(model, n)
+    ]
     bad += _meta_leftovers(src, ctx.bodies, ctx.plan.params)
     if bad:
         raise ValueError(
@@ -138,7 +162,8 @@ def _check_materialisable(ctx, src, attrs_in, keys) -> None:
             f"{'is a meta tensor' if len(bad) == 1 else 'are meta tensors'} "
             f"of the program that no initialiser or checkpoint can give a value (neither a "
             f"parameter nor a module's buffer). Register it as a buffer of its module, filled by "
-            f"the module's reset_parameters(), or build the model on a real device.")
+            f"the module's reset_parameters(), or build the model on a real device."
+        )
 
 
 def _is_buffer_of(model: nn.Module, name: str) -> bool:

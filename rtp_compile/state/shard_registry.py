@@ -10,6 +10,7 @@ so `repr`, `deepcopy` and pickling a released parameter, and `state_dict()` /
 `load_state_dict()` of a module holding one, raise an error saying what to use instead; an
 optimizer built on the full parameters steps their shards (`swap_released_for_shards`).
 """
+
 from __future__ import annotations
 
 import gc
@@ -39,6 +40,7 @@ class Sharded:
     """A parameter laid out for the ring: this rank's `shard` (the Parameter an optimizer
     steps), its `layout`, the ring (`rank` in group `group_name`), and `compute_dtype`, the
     dtype the model reads its weight in (mixed precision's `param_dtype`; None: its own)."""
+
     layout: ParamLayout
     shard: nn.Parameter
     rank: int
@@ -48,8 +50,13 @@ class Sharded:
     def keeps(self, layout: ParamLayout) -> bool:
         """Whether `layout` cuts the parameter as this one does (names may differ per graph)."""
         mine = self.layout
-        return (mine.shape, mine.dtype, mine.world_size, mine.dim, mine.granule) == \
-            (layout.shape, layout.dtype, layout.world_size, layout.dim, layout.granule)
+        return (mine.shape, mine.dtype, mine.world_size, mine.dim, mine.granule) == (
+            layout.shape,
+            layout.dtype,
+            layout.world_size,
+            layout.dim,
+            layout.granule,
+        )
 
     def gather(self) -> torch.Tensor:
         """Collective over the ring: the full tensor, padding removed."""
@@ -61,15 +68,16 @@ class Sharded:
         if grad is None:
             return None
         flat = self.layout.dim is None
-        return real_part(grad.reshape(-1) if flat else grad, self.layout.dim or 0,
-                         self.layout.slot(self.rank))
+        return real_part(
+            grad.reshape(-1) if flat else grad, self.layout.dim or 0, self.layout.slot(self.rank)
+        )
 
 
-_of_full: dict[int, Sharded] = {}     # id(full parameter) -> its shard, while the full one lives
+_of_full: dict[int, Sharded] = {}  # id(full parameter) -> its shard, while the full one lives
 # id(shard parameter) -> its entry, while something else holds the entry (a full parameter's
 # row above, or the module `rtp_compile.shard` made read it)
-_of_shard: "weakref.WeakValueDictionary[int, Sharded]" = weakref.WeakValueDictionary()
-_released: set[int] = set()           # ids of full parameters whose storage is gone
+_of_shard: weakref.WeakValueDictionary[int, Sharded] = weakref.WeakValueDictionary()
+_released: set[int] = set()  # ids of full parameters whose storage is gone
 
 
 def _forget(key: int) -> None:
@@ -122,7 +130,8 @@ def released_error(what: str) -> RuntimeError:
         f"backend='rtp' no longer holds: after its first call each rank keeps only its shards. "
         f"Use rtp_compile.full_state_dict(model) (collective) for the full tensors, "
         f"rtp_compile.load_full_state_dict(model, sd) to load them, or shard the model first "
-        f"(rtp_compile.shard(model, world_size)) so it holds only shards and stays usable.")
+        f"(rtp_compile.shard(model, world_size)) so it holds only shards and stays usable."
+    )
 
 
 def _owners(param: torch.Tensor) -> list[tuple[nn.Module, str]]:
@@ -169,8 +178,11 @@ def _guard_parameters() -> None:
     if _parameter_guard_installed:
         return
     _parameter_guard_installed = True
-    for method, what in (("__repr__", "repr()"), ("__deepcopy__", "copy.deepcopy()"),
-                         ("__reduce_ex__", "pickling")):
+    for method, what in (
+        ("__repr__", "repr()"),
+        ("__deepcopy__", "copy.deepcopy()"),
+        ("__reduce_ex__", "pickling"),
+    ):
         original = getattr(nn.Parameter, method)
 
         def guarded(self, *args, _original=original, _what=what):
@@ -192,8 +204,11 @@ def swap_released_for_shards(optimizer: torch.optim.Optimizer, args, kwargs) -> 
     rank's batch only."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(id(p) in _of_full for p in params):
-        eager = [p for p in params if p.grad is not None and id(p) not in _of_full
-                 and id(p) not in _of_shard]
+        eager = [
+            p
+            for p in params
+            if p.grad is not None and id(p) not in _of_full and id(p) not in _of_shard
+        ]
         if eager:
             raise RuntimeError(
                 f"rtp_compile: {len(eager)} parameter(s) of shape(s) "
@@ -201,7 +216,8 @@ def swap_released_for_shards(optimizer: torch.optim.Optimizer, args, kwargs) -> 
                 f"compiled with backend='rtp' (dynamo ran their code eagerly, e.g. a frame it "
                 f"skipped after a graph break in a loop), so they hold this rank's gradient "
                 f"alone. Shard the model first (rtp_compile.shard(model, world_size)): its "
-                f"weights are then gathered wherever they run.")
+                f"weights are then gathered wherever they run."
+            )
     for group in optimizer.param_groups:
         params = group["params"]
         for i, p in enumerate(params):
@@ -213,7 +229,8 @@ def swap_released_for_shards(optimizer: torch.optim.Optimizer, args, kwargs) -> 
                     f"rtp_compile: {type(optimizer).__name__} holds state for a full parameter of "
                     f"shape {tuple(p.shape)} that a compiled model now trains as a shard; build "
                     f"the optimizer before the first step on the model's parameters and do not "
-                    f"step it before compiling (or use rtp_compile.shard first)")
+                    f"step it before compiling (or use rtp_compile.shard first)"
+                )
             params[i] = entry.shard
 
 
@@ -225,5 +242,6 @@ def install_optimizer_hook() -> None:
     global _hook_installed
     if not _hook_installed:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
+
         register_optimizer_step_pre_hook(swap_released_for_shards)
         _hook_installed = True

@@ -3,6 +3,7 @@
 read back to the parameter (`parameter_chain`) as the steps the rule then applies to each
 shard; and where a chain breaks (`chain_break`), the reason a node is gathered instead.
 """
+
 from __future__ import annotations
 
 import operator
@@ -36,22 +37,61 @@ CAST, VIEW, SCALAR = "cast", "view", "scalar"
 # changes its dtype, a view adds or drops size-1 dims, a scalar op combines it with numbers
 CHAIN_OPS = {
     # fx (tensor methods by name, torch functions) and dynamo
-    "to": CAST, "type_as": CAST, "float": CAST, "double": CAST, "half": CAST, "bfloat16": CAST,
-    "view": VIEW, "reshape": VIEW, "unsqueeze": VIEW, "squeeze": VIEW, operator.getitem: VIEW,
-    torch.reshape: VIEW, torch.unsqueeze: VIEW, torch.squeeze: VIEW,
-    operator.add: SCALAR, operator.sub: SCALAR, operator.mul: SCALAR, operator.truediv: SCALAR,
-    operator.neg: SCALAR, operator.pow: SCALAR, torch.add: SCALAR, torch.sub: SCALAR,
-    torch.mul: SCALAR, torch.div: SCALAR, torch.neg: SCALAR, "add": SCALAR, "sub": SCALAR,
-    "mul": SCALAR, "div": SCALAR, "neg": SCALAR, "pow": SCALAR,
+    "to": CAST,
+    "type_as": CAST,
+    "float": CAST,
+    "double": CAST,
+    "half": CAST,
+    "bfloat16": CAST,
+    "view": VIEW,
+    "reshape": VIEW,
+    "unsqueeze": VIEW,
+    "squeeze": VIEW,
+    operator.getitem: VIEW,
+    torch.reshape: VIEW,
+    torch.unsqueeze: VIEW,
+    torch.squeeze: VIEW,
+    operator.add: SCALAR,
+    operator.sub: SCALAR,
+    operator.mul: SCALAR,
+    operator.truediv: SCALAR,
+    operator.neg: SCALAR,
+    operator.pow: SCALAR,
+    torch.add: SCALAR,
+    torch.sub: SCALAR,
+    torch.mul: SCALAR,
+    torch.div: SCALAR,
+    torch.neg: SCALAR,
+    "add": SCALAR,
+    "sub": SCALAR,
+    "mul": SCALAR,
+    "div": SCALAR,
+    "neg": SCALAR,
+    "pow": SCALAR,
     # aten (torch.export)
-    aten.to.dtype: CAST, aten._to_copy.default: CAST, aten.type_as.default: CAST,
-    aten.view.default: VIEW, aten.reshape.default: VIEW, aten._unsafe_view.default: VIEW,
-    aten.unsqueeze.default: VIEW, aten.squeeze.default: VIEW, aten.squeeze.dim: VIEW,
-    aten.squeeze.dims: VIEW, aten.slice.Tensor: VIEW, aten.alias.default: VIEW,
-    aten.add.Tensor: SCALAR, aten.add.Scalar: SCALAR, aten.sub.Tensor: SCALAR,
-    aten.sub.Scalar: SCALAR, aten.rsub.Scalar: SCALAR, aten.mul.Tensor: SCALAR,
-    aten.mul.Scalar: SCALAR, aten.div.Tensor: SCALAR, aten.div.Scalar: SCALAR,
-    aten.neg.default: SCALAR, aten.pow.Tensor_Scalar: SCALAR,
+    aten.to.dtype: CAST,
+    aten._to_copy.default: CAST,
+    aten.type_as.default: CAST,
+    aten.view.default: VIEW,
+    aten.reshape.default: VIEW,
+    aten._unsafe_view.default: VIEW,
+    aten.unsqueeze.default: VIEW,
+    aten.squeeze.default: VIEW,
+    aten.squeeze.dim: VIEW,
+    aten.squeeze.dims: VIEW,
+    aten.slice.Tensor: VIEW,
+    aten.alias.default: VIEW,
+    aten.add.Tensor: SCALAR,
+    aten.add.Scalar: SCALAR,
+    aten.sub.Tensor: SCALAR,
+    aten.sub.Scalar: SCALAR,
+    aten.rsub.Scalar: SCALAR,
+    aten.mul.Tensor: SCALAR,
+    aten.mul.Scalar: SCALAR,
+    aten.div.Tensor: SCALAR,
+    aten.div.Scalar: SCALAR,
+    aten.neg.default: SCALAR,
+    aten.pow.Tensor_Scalar: SCALAR,
 }
 
 
@@ -66,8 +106,12 @@ def _chain_kind(node) -> str | None:
 
 def _is_dtype_read(value) -> bool:
     """`t.dtype` in an fx graph (export has made it a constant)."""
-    return isinstance(value, fx.Node) and value.op == "call_function" and \
-        value.target is getattr and value.args[1:] == ("dtype",)
+    return (
+        isinstance(value, fx.Node)
+        and value.op == "call_function"
+        and value.target is getattr
+        and value.args[1:] == ("dtype",)
+    )
 
 
 def chain_input(node: fx.Node) -> fx.Node | None:
@@ -79,8 +123,11 @@ def chain_input(node: fx.Node) -> fx.Node | None:
     if kind != SCALAR:
         return node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     tensors = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
-    scalars = all(isinstance(a, (int, float, bool)) for a in (*node.args, *node.kwargs.values())
-                  if not isinstance(a, fx.Node))
+    scalars = all(
+        isinstance(a, (int, float, bool))
+        for a in (*node.args, *node.kwargs.values())
+        if not isinstance(a, fx.Node)
+    )
     return tensors[0] if len(tensors) == 1 and scalars else None
 
 
@@ -98,6 +145,7 @@ def chain_break(closure: list[fx.Node], reads) -> fx.Node | None:
 
 def _cast_step(node: fx.Node, externals: list) -> Step:
     """A cast as a step; a dtype only known at run time becomes `w.to(External(i))`."""
+
     def external(ref):
         if ref not in externals:
             externals.append(ref)
@@ -113,8 +161,10 @@ def _cast_step(node: fx.Node, externals: list) -> Step:
         if _is_dtype_read(dtype) and len(rest) + len(node.kwargs) == 1:
             return external((dtype.name, None))
         if not isinstance(dtype, torch.dtype) or len(rest) + len(node.kwargs) != 1:
-            raise Unshardable(f"{describe(node)} does more to the parameter than cast it to a dtype "
-                              "the graph names")
+            raise Unshardable(
+                f"{describe(node)} does more to the parameter than cast it to a dtype "
+                "the graph names"
+            )
     elif target is aten._to_copy.default:
         if rest or any(v is not None for k, v in node.kwargs.items() if k != "dtype"):
             raise Unshardable(f"{describe(node)} copies the parameter to another layout or device")
@@ -149,15 +199,18 @@ def parameter_chain(value, reads, gm, externals: list):
         kind = _chain_kind(node)
         if kind == VIEW:
             if _has_node(node.args[1:], node.kwargs):
-                raise Unshardable(f"{describe(node)} views the parameter with sizes read at run "
-                                  "time")
+                raise Unshardable(
+                    f"{describe(node)} views the parameter with sizes read at run time"
+                )
             if node.target is operator.getitem and not _plain_index(node.args[1]):
                 raise Unshardable(f"{describe(node)} indexes the parameter with a list or tensor")
             viewed = _on_meta(node, meta, at)
             if [n for n in viewed.shape if n != 1] != big or viewed.numel() != meta.numel():
-                raise Unshardable(f"{describe(node)} makes the parameter {tuple(viewed.shape)} from "
-                                  f"{tuple(meta.shape)}; a shard can only gain or lose size-1 "
-                                  "dims")
+                raise Unshardable(
+                    f"{describe(node)} makes the parameter {tuple(viewed.shape)} from "
+                    f"{tuple(meta.shape)}; a shard can only gain or lose size-1 "
+                    "dims"
+                )
             meta = viewed
         elif kind == CAST:
             steps.append(_cast_step(node, externals))

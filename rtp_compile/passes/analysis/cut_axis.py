@@ -15,6 +15,7 @@ At aten level (torch.export) every value's shape is known; at fx level only what
 say (their literal ints; a size read from a tensor is a symbol), so a split of the heads must
 name its sizes as ints there, and operands of unknown shape are checked per shard at run time.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,6 +28,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from rtp_compile.core.ir import RewriteKind, target_name
+
 aten = torch.ops.aten
 
 
@@ -37,9 +39,10 @@ class NotExact(Exception):
 @dataclass(frozen=True)
 class Cut:
     """A value cut on `dim` (negative: from the last dim), of full extent `size` there."""
+
     dim: int
     size: int
-    shape: tuple | None = None          # the full shape (sympy sizes) where known
+    shape: tuple | None = None  # the full shape (sympy sizes) where known
 
 
 @dataclass(frozen=True)
@@ -49,24 +52,56 @@ class Rewrite:
     `path`: ("args", i[, j]) or ("kwargs", name[, j]); `kind`: "size" (the full extent `size`
     becomes the shard's groups x size/G), "slice" (narrow the operand's `dim` to the shard's
     groups), "check" (an operand of unknown shape: sliced or broadcast, decided at run time)."""
+
     path: tuple
     kind: RewriteKind
     size: int
     dim: int = 0
-    rank: int | None = None             # check: the most dims the operand may have
+    rank: int | None = None  # check: the most dims the operand may have
 
 
 POINTWISE = {
-    F.gelu, F.relu, F.silu, torch.tanh, torch.sigmoid, torch.relu, torch.erf, torch.exp,
-    torch.rsqrt, torch.neg, operator.mul, operator.add, operator.sub, operator.truediv,
-    operator.neg, operator.pow, torch.mul, torch.add, torch.sub, torch.div, torch.pow,
-    aten.gelu, aten.relu, aten.silu, aten.tanh, aten.sigmoid, aten.erf, aten.exp, aten.neg,
-    aten.mul, aten.add, aten.sub, aten.div, aten.pow, aten.rsqrt, aten.cos, aten.sin,
+    F.gelu,
+    F.relu,
+    F.silu,
+    torch.tanh,
+    torch.sigmoid,
+    torch.relu,
+    torch.erf,
+    torch.exp,
+    torch.rsqrt,
+    torch.neg,
+    operator.mul,
+    operator.add,
+    operator.sub,
+    operator.truediv,
+    operator.neg,
+    operator.pow,
+    torch.mul,
+    torch.add,
+    torch.sub,
+    torch.div,
+    torch.pow,
+    aten.gelu,
+    aten.relu,
+    aten.silu,
+    aten.tanh,
+    aten.sigmoid,
+    aten.erf,
+    aten.exp,
+    aten.neg,
+    aten.mul,
+    aten.add,
+    aten.sub,
+    aten.div,
+    aten.pow,
+    aten.rsqrt,
+    aten.cos,
+    aten.sin,
 }
 POINTWISE_METHODS = {"mul", "add", "sub", "div", "neg", "pow", "tanh", "sigmoid", "exp", "relu"}
 SAME_SHAPE = {aten.contiguous, aten.clone, aten.alias, aten.to, aten._to_copy, aten.type_as}
-SAME_SHAPE_METHODS = {"contiguous", "clone", "to", "float", "double", "half", "bfloat16",
-                      "type_as"}
+SAME_SHAPE_METHODS = {"contiguous", "clone", "to", "float", "double", "half", "bfloat16", "type_as"}
 OPS = {
     "view": {aten.view, aten.reshape, aten._unsafe_view, torch.reshape, "view", "reshape"},
     "transpose": {aten.transpose, torch.transpose, "transpose"},
@@ -76,8 +111,14 @@ OPS = {
     "slice": {aten.slice},
     "cat": {aten.cat, torch.cat},
     "stack": {aten.stack, torch.stack},
-    "softmax": {aten._softmax, aten.softmax, aten._safe_softmax, F.softmax, torch.softmax,
-                "softmax"},
+    "softmax": {
+        aten._softmax,
+        aten.softmax,
+        aten._safe_softmax,
+        F.softmax,
+        torch.softmax,
+        "softmax",
+    },
     "matmul": {aten.matmul, torch.matmul, operator.matmul},
     "sdpa": {aten.scaled_dot_product_attention, F.scaled_dot_product_attention},
     "dropout": {aten.dropout, F.dropout},
@@ -87,8 +128,18 @@ OPS = {
     "select": {aten.select, torch.select, "select"},
     "squeeze": {aten.squeeze, torch.squeeze, "squeeze"},
     "size": {aten.sym_size, "size"},
-    "split": {aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, torch.split,
-              torch.chunk, torch.unbind, "split", "chunk", "unbind"},
+    "split": {
+        aten.split,
+        aten.split_with_sizes,
+        aten.chunk,
+        aten.unbind,
+        torch.split,
+        torch.chunk,
+        torch.unbind,
+        "split",
+        "chunk",
+        "unbind",
+    },
     "getitem": {operator.getitem},
     "repeat_interleave": {aten.repeat_interleave, torch.repeat_interleave, "repeat_interleave"},
     "view_as_complex": {aten.view_as_complex, torch.view_as_complex},
@@ -157,7 +208,7 @@ def _resized(shape: tuple | None, dim: int, size) -> tuple | None:
     """`shape` with its dim `dim` (negative) of `size` (sympy); None where unknown."""
     if shape is None or size is None:
         return None
-    return shape[:len(shape) + dim] + (size,) + shape[len(shape) + dim + 1:]
+    return shape[: len(shape) + dim] + (size,) + shape[len(shape) + dim + 1 :]
 
 
 def _own_size(node: fx.Node, dim: int, rank: int):
@@ -177,19 +228,27 @@ def _neg(dim: int, rank: int | None, what: str) -> int:
 class CutWalk:
     """Propagates cuts through `region` (in graph order) from the heads' outputs."""
 
-    def __init__(self, gm, region: list[fx.Node], heads: dict[fx.Node, int],
-                 tail_input: fx.Node, tail_width: int):
+    def __init__(
+        self,
+        gm,
+        region: list[fx.Node],
+        heads: dict[fx.Node, int],
+        tail_input: fx.Node,
+        tail_width: int,
+    ):
         self.gm, self.tail_input, self.tail_width = gm, tail_input, tail_width
         self.members = set(region)
         self.state: dict[fx.Node, Cut | None] = {
-            h: Cut(-1, width, meta_shape(h)) for h, width in heads.items()}
+            h: Cut(-1, width, meta_shape(h)) for h, width in heads.items()
+        }
         self.rewrites: dict[str, list[Rewrite]] = {}
         for node in region:
             self.state[node] = self._rule(node)
         out = self.state.get(tail_input)
         if not (isinstance(out, Cut) and out.dim == -1 and out.size == tail_width):
-            raise NotExact(f"the cut does not reach {tail_input.name}'s last dim, which the "
-                           f"last layer reads")
+            raise NotExact(
+                f"the cut does not reach {tail_input.name}'s last dim, which the last layer reads"
+            )
 
     def groups(self) -> int:
         """G: the finest grouping every cut extent is a whole multiple of."""
@@ -230,8 +289,10 @@ class CutWalk:
         elif _same(shape[cut.dim], sympy.Integer(cut.size)):
             self._rewrite(node, Rewrite(path, RewriteKind.SLICE, cut.size, cut.dim))
         else:
-            raise NotExact(f"{node.name}'s operand {value.name} has extent {shape[cut.dim]} on "
-                           f"the head axis of extent {cut.size}")
+            raise NotExact(
+                f"{node.name}'s operand {value.name} has extent {shape[cut.dim]} on "
+                f"the head axis of extent {cut.size}"
+            )
 
     def _rule(self, node: fx.Node):
         inputs = [self._of(i) for i in node.all_input_nodes]
@@ -239,8 +300,10 @@ class CutWalk:
             return None  # depends on the shard nowhere (a size of an uncut dim, a constant)
         kind = op_kind(node)
         if kind is None:
-            raise NotExact(f"{node.name} ({target_name(node)}) has "
-                           f"no rule for running on a slice of the head / hidden axis")
+            raise NotExact(
+                f"{node.name} ({target_name(node)}) has "
+                f"no rule for running on a slice of the head / hidden axis"
+            )
         cut = getattr(self, f"_{kind}")(node)
         meta = meta_shape(node)
         if cut is not None and meta is not None:
@@ -260,14 +323,20 @@ class CutWalk:
         for k, a in node.kwargs.items():
             self._operand(node, ("kwargs", k), a, cut)
         shape = cut.shape
-        operands = [_known_shape(a, self.gm) for a in node.all_input_nodes
-                    if not isinstance(self._of(a), Cut)]
+        operands = [
+            _known_shape(a, self.gm)
+            for a in node.all_input_nodes
+            if not isinstance(self._of(a), Cut)
+        ]
         if shape and any(o is not None and len(o) > len(shape) for o in operands):
             shape = None
         if shape and any(r.kind == RewriteKind.CHECK for r in self.rewrites.get(node.name, ())):
-            shape = tuple(s if d == len(shape) + cut.dim else
-                          sympy.Symbol(f"{node.name}_{d}", positive=True, integer=True)
-                          for d, s in enumerate(shape))
+            shape = tuple(
+                s
+                if d == len(shape) + cut.dim
+                else sympy.Symbol(f"{node.name}_{d}", positive=True, integer=True)
+                for d, s in enumerate(shape)
+            )
         return Cut(cut.dim, cut.size, shape)
 
     def _same_shape(self, node):
@@ -279,8 +348,10 @@ class CutWalk:
     def _dropout(self, node):
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
         if p != 0:
-            raise NotExact(f"{node.name}: dropout p={p} (backward recomputes the region, "
-                           f"which would draw a different mask)")
+            raise NotExact(
+                f"{node.name}: dropout p={p} (backward recomputes the region, "
+                f"which would draw a different mask)"
+            )
         return self._cut_arg(node, node.args[0])
 
     def _sizes_arg(self, node):
@@ -305,13 +376,22 @@ class CutWalk:
         known = [s for s in sizes if s != -1]
         if -1 in sizes and all(isinstance(s, int) for s in known):  # the cut dim's size is known
             sizes = [cut.size // math.prod(known) if s == -1 else s for s in sizes]
-        lead = cut.shape[:len(cut.shape) + dim] if cut.shape else \
-            (sympy.Symbol(f"{node.name}_lead", positive=True, integer=True),)
-        out = meta_shape(node) or lead + tuple(None if s == -1 else _sym(s) for s in sizes) + \
-            (cut.shape[len(cut.shape) + dim + 1:] if cut.shape else ())
+        lead = (
+            cut.shape[: len(cut.shape) + dim]
+            if cut.shape
+            else (sympy.Symbol(f"{node.name}_lead", positive=True, integer=True),)
+        )
+        out = meta_shape(node) or lead + tuple(None if s == -1 else _sym(s) for s in sizes) + (
+            cut.shape[len(cut.shape) + dim + 1 :] if cut.shape else ()
+        )
         lead = len(out) - len(sizes) - (-dim - 1)
-        new = self._regroup(node, cut, out, [None] * lead + sizes + [None] * (-dim - 1),
-                            lambda j: ("args", 2, j - lead))
+        new = self._regroup(
+            node,
+            cut,
+            out,
+            [None] * lead + sizes + [None] * (-dim - 1),
+            lambda j: ("args", 2, j - lead),
+        )
         return new if cut.shape else Cut(new.dim, new.size)  # the rank stays unknown
 
     def _flatten(self, node):
@@ -325,8 +405,11 @@ class CutWalk:
             return Cut(cut.dim + (end - start) if cut.dim < start else cut.dim, cut.size)
         if cut.dim != start or (end > start and not cut.shape):
             raise NotExact(f"{node.name} flattens the head axis into the dims before it")
-        inner = _prod(cut.shape[len(cut.shape) + start + 1:len(cut.shape) + end + 1]) \
-            if end > start else sympy.Integer(1)
+        inner = (
+            _prod(cut.shape[len(cut.shape) + start + 1 : len(cut.shape) + end + 1])
+            if end > start
+            else sympy.Integer(1)
+        )
         if not inner.is_Integer:
             raise NotExact(f"{node.name}: the sizes it flattens into the heads are unknown")
         return Cut(end, cut.size * int(inner))
@@ -360,7 +443,7 @@ class CutWalk:
         elif cut.shape is None:
             raise NotExact(f"{node.name}: the sizes after the cut are unknown")
         else:
-            trail = cut.shape[len(cut.shape) + cut.dim + 1:]
+            trail = cut.shape[len(cut.shape) + cut.dim + 1 :]
         target = _prod((sympy.Integer(cut.size), *trail))
         if node is self.tail_input:  # the last layer reads its last dim
             out = out[:-1] + (sympy.Integer(self.tail_width),)
@@ -369,18 +452,25 @@ class CutWalk:
             if out[j] is not None and out[j].is_Integer and _same(_prod(out[j:]), target):
                 found = j  # the outermost match: size-1 dims after it stay whole
         if found is None:
-            raise NotExact(f"{node.name}: its sizes {list(sizes)} do not show where the head "
-                           f"axis goes (at fx level they must be ints; pass example_inputs to "
-                           f"capture with shapes)")
+            raise NotExact(
+                f"{node.name}: its sizes {list(sizes)} do not show where the head "
+                f"axis goes (at fx level they must be ints; pass example_inputs to "
+                f"capture with shapes)"
+            )
         entry = sizes[len(sizes) + found]
         if entry is None:
             raise NotExact(f"{node.name} moves the head axis out of the sizes it names")
         if entry != -1:
-            self._rewrite(node, Rewrite(path(len(sizes) + found), RewriteKind.SIZE,
-                                        int(out[found])))
+            self._rewrite(
+                node, Rewrite(path(len(sizes) + found), RewriteKind.SIZE, int(out[found]))
+            )
         lead = len(out) + found  # a -1 before the cut is a leading size of its own
-        shape = tuple(sympy.Symbol(f"{node.name}_{d}", positive=True, integer=True)
-                      if s is None and d < lead else s for d, s in enumerate(out))
+        shape = tuple(
+            sympy.Symbol(f"{node.name}_{d}", positive=True, integer=True)
+            if s is None and d < lead
+            else s
+            for d, s in enumerate(out)
+        )
         return Cut(found, int(out[found]), shape if None not in shape else None)
 
     def _expand(self, node):
@@ -409,8 +499,11 @@ class CutWalk:
         dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
         rank = len(dims)
         order = [_neg(d, rank, node.name) for d in dims]
-        return Cut(order.index(cut.dim) - rank, cut.size,
-                   tuple(cut.shape[d] for d in order) if cut.shape else None)
+        return Cut(
+            order.index(cut.dim) - rank,
+            cut.size,
+            tuple(cut.shape[d] for d in order) if cut.shape else None,
+        )
 
     def _view_as_complex(self, node):
         """Pairs of the last dim as complex numbers (torchtitan's rotary): the pairs stay beside
@@ -436,10 +529,12 @@ class CutWalk:
     def _slice(self, node):
         cut = self._cut_arg(node, node.args[0])
         rank = len(cut.shape) if cut.shape else None
-        dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
+        dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1 :])[:4]
         if _neg(dim, rank, node.name) == cut.dim and not (
-                start in (0, None) and (end is None or (isinstance(end, int) and end >= cut.size))
-                and step in (1, None)):
+            start in (0, None)
+            and (end is None or (isinstance(end, int) and end >= cut.size))
+            and step in (1, None)
+        ):
             raise NotExact(f"{node.name} slices the head axis")
         return Cut(cut.dim, cut.size)
 
@@ -448,8 +543,9 @@ class CutWalk:
         whole groups, repeated, are the same groups of the repeated axis."""
         cut = self._cut_arg(node, node.args[0])
         names = ("repeats", "dim", "output_size")
-        args = dict(zip(names, node.args[1:])) | {k: v for k, v in node.kwargs.items()
-                                                  if k in names}
+        args = dict(zip(names, node.args[1:])) | {
+            k: v for k, v in node.kwargs.items() if k in names
+        }
         repeats, dim = args.get("repeats"), args.get("dim")
         if not isinstance(repeats, int) or dim is None:
             raise NotExact(f"{node.name}: repeat_interleave with tensor repeats or without a dim")
@@ -506,8 +602,9 @@ class CutWalk:
 
     def _matmul(self, node):
         a, b = (self._of(x) for x in node.args[:2])
-        if not (isinstance(a, Cut) and isinstance(b, Cut) and a.dim == b.dim <= -3
-                and a.size == b.size):
+        if not (
+            isinstance(a, Cut) and isinstance(b, Cut) and a.dim == b.dim <= -3 and a.size == b.size
+        ):
             raise NotExact(f"{node.name}: a matmul must batch over the head axis of both sides")
         both = a.shape and b.shape and len(a.shape) == len(b.shape)
         return Cut(a.dim, a.size, a.shape[:-1] + b.shape[-1:] if both else None)
@@ -547,10 +644,16 @@ class CutWalk:
             _packed(node)
         shape = cut.shape
         if _unbinds(node):
-            return Cut(cut.dim + 1 if dim > cut.dim else cut.dim, cut.size,
-                       shape[:len(shape) + dim] + shape[len(shape) + dim + 1:] if shape else None)
-        return Cut(cut.dim, cut.size, _resized(shape, dim, _own_size(node, dim, len(shape)))
-                   if shape else None)
+            return Cut(
+                cut.dim + 1 if dim > cut.dim else cut.dim,
+                cut.size,
+                shape[: len(shape) + dim] + shape[len(shape) + dim + 1 :] if shape else None,
+            )
+        return Cut(
+            cut.dim,
+            cut.size,
+            _resized(shape, dim, _own_size(node, dim, len(shape))) if shape else None,
+        )
 
     def _getitem(self, node):
         """One piece of a split beside the cut: the cut of every piece."""
@@ -567,7 +670,7 @@ def _unbinds(node: fx.Node) -> bool:
 
 def _packed(node: fx.Node):
     """A split / select of the head axis itself: what unpacks q, k, v from one weight."""
-    raise NotExact(f"{node.name} splits one packed projection (q, k, v in one weight): a "
-                   f"shard of it would not hold matching q, k and v heads")
-
-
+    raise NotExact(
+        f"{node.name} splits one packed projection (q, k, v in one weight): a "
+        f"shard of it would not hold matching q, k and v heads"
+    )

@@ -9,6 +9,7 @@ bug and propagates, naming the node.
 
 An elementwise op may read its parameter through a chain of ops (`passes.chains`).
 """
+
 from __future__ import annotations
 
 import operator
@@ -17,11 +18,17 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from rtp_compile.core.graph_ops import affine
 from rtp_compile.core.ir import target_name
 from rtp_compile.core.op_rules import RULES, OpCall
-from rtp_compile.passes.analysis.chains import Unshardable, chain_break, describe, op_key, parameter_chain
+from rtp_compile.passes.analysis.chains import (
+    Unshardable,
+    chain_break,
+    describe,
+    op_key,
+    parameter_chain,
+)
 from rtp_compile.passes.manager.pipeline import InvariantError
-from rtp_compile.core.graph_ops import affine
 
 aten = torch.ops.aten
 
@@ -36,8 +43,9 @@ def canonical_reads(gm: fx.GraphModule, ctx) -> None:
     """Invariant of capture and of the passes that add parameter reads: every read of a
     parameter uses its canonical name (one node target per parameter, tied ones included)."""
     canonical = ctx.canonical
-    aliased = sorted({n.target for n in parameter_reads(gm) if canonical.get(n.target, n.target)
-                      != n.target})
+    aliased = sorted(
+        {n.target for n in parameter_reads(gm) if canonical.get(n.target, n.target) != n.target}
+    )
     if aliased:
         raise InvariantError(f"parameters read by an alias, not their canonical name: {aliased}")
 
@@ -48,16 +56,27 @@ def _transposed_param(value, reads):
         return reads[value], False
     if isinstance(value, fx.Node) and value.args and value.args[0] in reads:
         is_t = value.target in ("t", aten.t.default, torch.t)
-        is_swap = value.target in ("transpose", aten.transpose.int, torch.transpose) and \
-            len(value.args) == 3 and {d % 2 for d in value.args[1:]} == {0, 1}
+        is_swap = (
+            value.target in ("transpose", aten.transpose.int, torch.transpose)
+            and len(value.args) == 3
+            and {d % 2 for d in value.args[1:]} == {0, 1}
+        )
         if is_t or is_swap:
             return reads[value.args[0]], True
     return None, False
 
 
 CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-CONV_TRANSPOSE_ARGS = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups",
-                       "dilation")
+CONV_TRANSPOSE_ARGS = (
+    "input",
+    "weight",
+    "bias",
+    "stride",
+    "padding",
+    "output_padding",
+    "groups",
+    "dilation",
+)
 
 
 def _kwargs(node: fx.Node, gm, names: tuple[str, ...] = ()) -> dict | None:
@@ -88,8 +107,12 @@ def _linear(x, weight, bias, reads, transposed_storage=False):
         return None
     if bias is not None and bias not in reads:
         return None
-    return OpCall(RULES["linear"], x, _roles(weight=wname, bias=reads.get(bias)),
-                  {"transposed": transposed != transposed_storage})
+    return OpCall(
+        RULES["linear"],
+        x,
+        _roles(weight=wname, bias=reads.get(bias)),
+        {"transposed": transposed != transposed_storage},
+    )
 
 
 def _linear_adapter(node, gm, reads):
@@ -120,10 +143,13 @@ def _conv(node, gm, reads, transposed, n):
     if not k:
         return None
     if k.get("groups", 1) != 1:
-        raise Unshardable(f"the conv rule shards groups=1 only, this conv has "
-                          f"groups={k['groups']}")
+        raise Unshardable(f"the conv rule shards groups=1 only, this conv has groups={k['groups']}")
     weight, bias, x = k["weight"], k.get("bias"), k["input"]
-    if weight not in reads or not _is_activation(x, reads) or (bias is not None and bias not in reads):
+    if (
+        weight not in reads
+        or not _is_activation(x, reads)
+        or (bias is not None and bias not in reads)
+    ):
         return None
     n = n or len(gm.get_parameter(reads[weight]).shape) - 2
     stride, dilation = _pair(k.get("stride", 1), n), _pair(k.get("dilation", 1), n)
@@ -137,9 +163,13 @@ def _conv(node, gm, reads, transposed, n):
             padding = [t // 2 for t in total]
         else:
             raise Unshardable(f"padding={padding!r} pads unevenly for this kernel")
-    options = {"stride": stride, "padding": _pair(padding, n), "dilation": dilation,
-               "transposed": transposed,
-               "output_padding": _pair(k.get("output_padding", 0), n)}
+    options = {
+        "stride": stride,
+        "padding": _pair(padding, n),
+        "dilation": dilation,
+        "transposed": transposed,
+        "output_padding": _pair(k.get("output_padding", 0), n),
+    }
     return OpCall(RULES["conv"], x, _roles(weight=reads[weight], bias=reads.get(bias)), options)
 
 
@@ -156,8 +186,10 @@ def _embedding(idx, weight, padding_idx, scale_grad_by_freq, reads, gm):
     if weight not in reads or not _is_activation(idx, reads):
         return None
     num = gm.get_parameter(reads[weight]).shape[0]
-    options = {"padding_idx": None if padding_idx is None else padding_idx % num,
-               "scale_grad_by_freq": bool(scale_grad_by_freq)}
+    options = {
+        "padding_idx": None if padding_idx is None else padding_idx % num,
+        "scale_grad_by_freq": bool(scale_grad_by_freq),
+    }
     return OpCall(RULES["embedding"], idx, {"weight": reads[weight]}, options)
 
 
@@ -166,10 +198,12 @@ def _embedding_adapter(node, gm, reads):
     if not k:
         return None
     if k.get("max_norm") is not None or k.get("sparse"):
-        raise Unshardable("embedding with max_norm (renormalises whole rows in place) or "
-                          "sparse gradients")
-    return _embedding(k["input"], k["weight"], k.get("padding_idx"), k.get("scale_grad_by_freq"),
-                      reads, gm)
+        raise Unshardable(
+            "embedding with max_norm (renormalises whole rows in place) or sparse gradients"
+        )
+    return _embedding(
+        k["input"], k["weight"], k.get("padding_idx"), k.get("scale_grad_by_freq"), reads, gm
+    )
 
 
 def _aten_embedding_adapter(node, gm, reads):
@@ -179,8 +213,14 @@ def _aten_embedding_adapter(node, gm, reads):
     if k.get("sparse"):
         raise Unshardable("embedding with sparse gradients")
     padding_idx = k.get("padding_idx", -1)
-    return _embedding(k["indices"], k["weight"], None if padding_idx == -1 else padding_idx,
-                      k.get("scale_grad_by_freq"), reads, gm)
+    return _embedding(
+        k["indices"],
+        k["weight"],
+        None if padding_idx == -1 else padding_idx,
+        k.get("scale_grad_by_freq"),
+        reads,
+        gm,
+    )
 
 
 def _elementwise(x, operands: dict, dim, reads, gm):
@@ -201,17 +241,24 @@ def _elementwise(x, operands: dict, dim, reads, gm):
     if len(shapes) != 1 or len(seen) != 1 or (dim >= 0 and len(next(iter(seen))) != 1):
         return None
     if dim < 0 and all(n == 1 for n in next(iter(shapes))):
-        raise Unshardable(f"{', '.join(name for name, _, _ in found.values())} has no dim "
-                          "larger than 1: it scales the whole input, so no shard of it lines "
-                          "up with a slice of the input")
+        raise Unshardable(
+            f"{', '.join(name for name, _, _ in found.values())} has no dim "
+            "larger than 1: it scales the whole input, so no shard of it lines "
+            "up with a slice of the input"
+        )
     options = {"dim": dim}
     chains = {role: steps for role, (_, steps, _) in found.items() if steps}
     if chains:
         options["chains"] = chains
     if seen != shapes:
         options["shape"] = next(iter(seen))
-    return OpCall(RULES["elementwise"], x, {role: name for role, (name, _, _) in found.items()},
-                  options, externals)
+    return OpCall(
+        RULES["elementwise"],
+        x,
+        {role: name for role, (name, _, _) in found.items()},
+        options,
+        externals,
+    )
 
 
 def _affine_adapter(node, gm, reads):
@@ -224,8 +271,10 @@ def _binary_adapter(role):
         if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
             return None
         a, b = node.args
-        return _elementwise(b, {role: a}, -1, reads, gm) or \
-            _elementwise(a, {role: b}, -1, reads, gm)
+        return _elementwise(b, {role: a}, -1, reads, gm) or _elementwise(
+            a, {role: b}, -1, reads, gm
+        )
+
     return adapter
 
 
@@ -233,22 +282,31 @@ ADAPTERS = {
     # torch-function level (fx after lower_modules, dynamo)
     F.linear: _linear_adapter,
     torch.addmm: _addmm_adapter,
-    torch.matmul: _matmul_adapter, operator.matmul: _matmul_adapter, torch.mm: _matmul_adapter,
-    F.conv1d: _conv_adapter(False, 1), F.conv2d: _conv_adapter(False, 2),
+    torch.matmul: _matmul_adapter,
+    operator.matmul: _matmul_adapter,
+    torch.mm: _matmul_adapter,
+    F.conv1d: _conv_adapter(False, 1),
+    F.conv2d: _conv_adapter(False, 2),
     F.conv3d: _conv_adapter(False, 3),
-    F.conv_transpose1d: _conv_adapter(True, 1), F.conv_transpose2d: _conv_adapter(True, 2),
+    F.conv_transpose1d: _conv_adapter(True, 1),
+    F.conv_transpose2d: _conv_adapter(True, 2),
     F.conv_transpose3d: _conv_adapter(True, 3),
     F.embedding: _embedding_adapter,
     affine: _affine_adapter,
-    operator.mul: _binary_adapter("weight"), torch.mul: _binary_adapter("weight"),
-    operator.add: _binary_adapter("bias"), torch.add: _binary_adapter("bias"),
+    operator.mul: _binary_adapter("weight"),
+    torch.mul: _binary_adapter("weight"),
+    operator.add: _binary_adapter("bias"),
+    torch.add: _binary_adapter("bias"),
     # aten level (torch.export training IR)
     aten.linear.default: _linear_adapter,
     aten.addmm.default: _addmm_adapter,
-    aten.mm.default: _matmul_adapter, aten.matmul.default: _matmul_adapter,
-    aten.conv1d.default: _conv_adapter(False, 1), aten.conv2d.default: _conv_adapter(False, 2),
+    aten.mm.default: _matmul_adapter,
+    aten.matmul.default: _matmul_adapter,
+    aten.conv1d.default: _conv_adapter(False, 1),
+    aten.conv2d.default: _conv_adapter(False, 2),
     aten.conv3d.default: _conv_adapter(False, 3),
-    aten.conv1d.padding: _conv_adapter(False, 1), aten.conv2d.padding: _conv_adapter(False, 2),
+    aten.conv1d.padding: _conv_adapter(False, 1),
+    aten.conv2d.padding: _conv_adapter(False, 2),
     aten.conv3d.padding: _conv_adapter(False, 3),
     aten.conv_transpose1d.default: _conv_adapter(True, 1),
     aten.conv_transpose2d.input: _conv_adapter(True, 2),
@@ -267,8 +325,10 @@ def _match(node: fx.Node, gm: fx.GraphModule, reads, closure=()) -> tuple[OpCall
     adapter = ADAPTERS.get(op_key(node.target)) if node.op == "call_function" else None
     if node.op == "call_module":
         kind = type(gm.get_submodule(node.target)).__name__
-        return None, (f"{kind} is called as one module (torch.fx keeps torch.nn modules whole); "
-                      "pass example_inputs so torch.export captures the ops inside it")
+        return None, (
+            f"{kind} is called as one module (torch.fx keeps torch.nn modules whole); "
+            "pass example_inputs so torch.export captures the ops inside it"
+        )
     if adapter is None:
         return None, f"no shard rule for {target}"
     try:
@@ -276,17 +336,24 @@ def _match(node: fx.Node, gm: fx.GraphModule, reads, closure=()) -> tuple[OpCall
     except Unshardable as why:
         return None, str(why)
     except Exception as err:  # a bug of the adapter, not a planning decision: never gathered
-        raise RuntimeError(f"rtp_compile: the shard-rule adapter of {target} failed on node "
-                           f"{describe(node)}: {type(err).__name__}: {err}. This is a bug in "
-                           "rtp_compile; please report it with the model") from err
+        raise RuntimeError(
+            f"rtp_compile: the shard-rule adapter of {target} failed on node "
+            f"{describe(node)}: {type(err).__name__}: {err}. This is a bug in "
+            "rtp_compile; please report it with the model"
+        ) from err
     if call is None:
         through = chain_break(closure, reads)
         if through is not None:
-            return None, (f"{target} reads its parameter through {describe(through)}, which a shard "
-                          "cannot go through: only dtype casts, views that add or drop size-1 "
-                          "dims and arithmetic with Python scalars apply to each shard")
-        return None, f"{target} reads parameters where its rule expects activations (or " \
-                     "through ops it cannot see through)"
+            return None, (
+                f"{target} reads its parameter through {describe(through)}, which a shard "
+                "cannot go through: only dtype casts, views that add or drop size-1 "
+                "dims and arithmetic with Python scalars apply to each shard"
+            )
+        return (
+            None,
+            f"{target} reads parameters where its rule expects activations (or "
+            "through ops it cannot see through)",
+        )
     call.input = call.input.name  # plans outlive graph rewrites: refer to nodes by name
     return call, ""
 
@@ -296,8 +363,9 @@ def match_op(node: fx.Node, gm: fx.GraphModule, reads: dict[fx.Node, str]) -> Op
     return _match(node, gm, reads)[0]
 
 
-def why_not_sharded(node: fx.Node, gm: fx.GraphModule, reads: dict[fx.Node, str],
-                    closure: list[fx.Node] = ()) -> str:
+def why_not_sharded(
+    node: fx.Node, gm: fx.GraphModule, reads: dict[fx.Node, str], closure: list[fx.Node] = ()
+) -> str:
     """Why `match_op` gave None for `node` (which reads the parameter-only nodes `closure`),
     for the report."""
     return _match(node, gm, reads, closure)[1]

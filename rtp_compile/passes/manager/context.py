@@ -4,6 +4,7 @@ A pass reads what earlier passes left here (the plan, the unit bodies, the sched
 its own; nothing else travels between passes, and the program keeps the context it was made
 with, so every later step (codegen, cost, state dicts) reads the same record.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,6 +46,7 @@ class Options:
     `reduce_dtype`, the shards themselves stay in the model's dtype; `runtime.precision`).
     `fixed_layouts`: (parameter name, shard dim or None for flat, granule) of parameters already
     sharded, which the plan keeps (`rtp_compile.shard`, the compile backend's earlier graphs)."""
+
     grad_reduction: str = "mean"
     fuse_padding: float = 0.02
     small_param_bytes: int = 65536
@@ -57,26 +59,46 @@ class Options:
 
     def __post_init__(self):
         if self.grad_reduction not in ("mean", "sum"):
-            raise ValueError(f"rtp_compile.transform: grad_reduction must be 'mean' or 'sum', "
-                             f"got {self.grad_reduction!r}")
-        if isinstance(self.fuse_padding, bool) or \
-                not isinstance(self.fuse_padding, (int, float)) or self.fuse_padding < 0:
-            raise ValueError(f"rtp_compile.transform: fuse_padding must be a share >= 0 (0.02 = "
-                             f"2%), got {self.fuse_padding!r}")
-        if isinstance(self.small_param_bytes, bool) or \
-                not isinstance(self.small_param_bytes, int) or self.small_param_bytes < 0:
-            raise ValueError(f"rtp_compile.transform: small_param_bytes must be an int >= 0, "
-                             f"got {self.small_param_bytes!r}")
+            raise ValueError(
+                f"rtp_compile.transform: grad_reduction must be 'mean' or 'sum', "
+                f"got {self.grad_reduction!r}"
+            )
+        if (
+            isinstance(self.fuse_padding, bool)
+            or not isinstance(self.fuse_padding, (int, float))
+            or self.fuse_padding < 0
+        ):
+            raise ValueError(
+                f"rtp_compile.transform: fuse_padding must be a share >= 0 (0.02 = "
+                f"2%), got {self.fuse_padding!r}"
+            )
+        if (
+            isinstance(self.small_param_bytes, bool)
+            or not isinstance(self.small_param_bytes, int)
+            or self.small_param_bytes < 0
+        ):
+            raise ValueError(
+                f"rtp_compile.transform: small_param_bytes must be an int >= 0, "
+                f"got {self.small_param_bytes!r}"
+            )
         if self.bucket_bytes is not None and (
-                isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or
-                self.bucket_bytes < 0):
-            raise ValueError(f"rtp_compile.transform: bucket_bytes must be None or an int >= 0, "
-                             f"got {self.bucket_bytes!r}")
+            isinstance(self.bucket_bytes, bool)
+            or not isinstance(self.bucket_bytes, int)
+            or self.bucket_bytes < 0
+        ):
+            raise ValueError(
+                f"rtp_compile.transform: bucket_bytes must be None or an int >= 0, "
+                f"got {self.bucket_bytes!r}"
+            )
         if self.max_bytes_in_flight is not None and (
-                isinstance(self.max_bytes_in_flight, bool) or
-                not isinstance(self.max_bytes_in_flight, int) or self.max_bytes_in_flight < 0):
-            raise ValueError(f"rtp_compile.transform: max_bytes_in_flight must be None or an int "
-                             f">= 0, got {self.max_bytes_in_flight!r}")
+            isinstance(self.max_bytes_in_flight, bool)
+            or not isinstance(self.max_bytes_in_flight, int)
+            or self.max_bytes_in_flight < 0
+        ):
+            raise ValueError(
+                f"rtp_compile.transform: max_bytes_in_flight must be None or an int "
+                f">= 0, got {self.max_bytes_in_flight!r}"
+            )
         if self.mp_policy is not None:
             _check_policy(self.mp_policy)
         object.__setattr__(self, "disable", tuple(self.disable))
@@ -90,14 +112,17 @@ class Options:
 
 def _check_policy(policy) -> None:
     if not isinstance(policy, MixedPrecisionPolicy):
-        raise TypeError(f"rtp_compile.transform: mp_policy must be a "
-                        f"torch.distributed.fsdp.MixedPrecisionPolicy, got {policy!r}")
+        raise TypeError(
+            f"rtp_compile.transform: mp_policy must be a "
+            f"torch.distributed.fsdp.MixedPrecisionPolicy, got {policy!r}"
+        )
     for field_name in ("param_dtype", "reduce_dtype", "output_dtype"):
         dtype = getattr(policy, field_name)
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and
-                                      dtype.is_floating_point):
-            raise ValueError(f"rtp_compile.transform: mp_policy.{field_name} must be None or "
-                             f"a floating-point torch.dtype, got {dtype!r}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(
+                f"rtp_compile.transform: mp_policy.{field_name} must be None or "
+                f"a floating-point torch.dtype, got {dtype!r}"
+            )
 
 
 @dataclass
@@ -107,7 +132,8 @@ class Context:
     Capture: `level` ("function": torch.fx, "aten": torch.export), `params` (canonical name ->
     the model's parameter), `aliases` (canonical name -> every name of it, tied weights),
     `native_keys` (its parameters, under every name, and persistent buffers, as its modules
-    name them, in state_dict order: `rtp_compile.state.model_state`), `model` (what was captured, for meta init),
+    name them, in state_dict order: `rtp_compile.state.model_state`), `model` (what was
+    captured, for meta init),
     `examples` (the example inputs and kwargs it was captured with, or None) and
     `reference` (the captured graph, never rewritten: the cost model profiles it and every
     world size's program starts from it). Passes: `plan` (plan_sharding, fuse_blocks),
@@ -115,6 +141,7 @@ class Context:
     unit's message tags and backward events), `buckets` (bucket_units: name -> the units that
     share its messages), `pass_log` (the runner: what each pass changed).
     Later passes add their fields here (device mesh, dtypes, buckets)."""
+
     world_size: int
     options: Options
     level: str
@@ -131,17 +158,32 @@ class Context:
     pass_log: list[PassRecord] = field(default_factory=list, repr=False)
 
     @classmethod
-    def of(cls, captured, world_size: int, options: Options) -> "Context":
+    def of(cls, captured, world_size: int, options: Options) -> Context:
         """The context of a fresh capture (`rtp_compile.capture.Captured`)."""
         reference = fx.GraphModule(captured.gm, copy.deepcopy(captured.gm.graph))
-        return cls(check_world_size(world_size, "rtp_compile.transform"), options,
-                   captured.level, captured.params, captured.aliases, captured.native_keys,
-                   reference, captured.model, captured.examples)
+        return cls(
+            check_world_size(world_size, "rtp_compile.transform"),
+            options,
+            captured.level,
+            captured.params,
+            captured.aliases,
+            captured.native_keys,
+            reference,
+            captured.model,
+            captured.examples,
+        )
 
-    def for_world_size(self, world_size: int) -> "Context":
+    def for_world_size(self, world_size: int) -> Context:
         """The same capture and options, for another number of ranks, before any pass."""
-        return replace(self, world_size=check_world_size(world_size, "for_world_size"),
-                       plan=None, bodies={}, schedules={}, buckets={}, pass_log=[])
+        return replace(
+            self,
+            world_size=check_world_size(world_size, "for_world_size"),
+            plan=None,
+            bodies={},
+            schedules={},
+            buckets={},
+            pass_log=[],
+        )
 
     def fresh_graph(self) -> fx.GraphModule:
         """A copy of the captured graph for the passes to rewrite (parameters shared)."""

@@ -4,11 +4,13 @@ after it, what it changed recorded.
 A pass is a plain function marked with `graph_pass(check=...)`: `check(gm, ctx)` raises
 `InvariantError` when the graph or context it left breaks the invariant its docstring states
 (cheap, always run). `required=True` marks a pass the program cannot do without (it cannot be
-disabled); `plans_only=True` a planning pass, which only writes the plan in the context: the
-runner checks that it left every node as it was. Every pass leaves a `PassRecord` in `ctx.pass_log`: op counts before and after, the
-nodes it added and removed; with `Options.debug` it is also logged at INFO through
-`logging.getLogger("rtp_compile")` and keeps the graph's code before and after (`.diff()`).
+disabled); `plans_only=True` a planning pass, which only writes the plan in the context: the runner
+checks that it left every node as it was. Every pass leaves a `PassRecord` in `ctx.pass_log`: op
+counts before and after, the nodes it added and removed; with `Options.debug` it is also logged at
+INFO through `logging.getLogger("rtp_compile")` and keeps the graph's code before and after
+(`.diff()`).
 """
+
 from __future__ import annotations
 
 import collections
@@ -33,9 +35,11 @@ def graph_pass(*, check, required: bool = False, plans_only: bool = False):
     """Mark `fn(gm, ctx) -> gm` as a pass with its invariant `check(gm, ctx)`; `plans_only`:
     a planning pass, which writes the plan in `ctx` and leaves the graph as it was (the
     pipeline checks that too)."""
+
     def mark(fn):
         fn.check, fn.required, fn.plans_only = check, required, plans_only
         return fn
+
     return mark
 
 
@@ -56,6 +60,7 @@ def op_name(node: fx.Node) -> str:
 @dataclass
 class PassRecord:
     """What one pass changed: op counts before/after, nodes added/removed (by name)."""
+
     name: str
     before: collections.Counter
     after: collections.Counter
@@ -68,24 +73,36 @@ class PassRecord:
     def changed_ops(self) -> dict[str, tuple[int, int]]:
         """op -> (count before, count after), for the ops whose count changed."""
         ops = sorted(set(self.before) | set(self.after))
-        return {op: (self.before[op], self.after[op]) for op in ops
-                if self.before[op] != self.after[op]}
+        return {
+            op: (self.before[op], self.after[op]) for op in ops if self.before[op] != self.after[op]
+        }
 
     def diff(self) -> str:
         """Unified diff of the graph's code (kept with `debug=True`)."""
         if self.code_before is None:
             return "(compile with debug=True to keep each pass's code)"
-        return "".join(difflib.unified_diff(self.code_before.splitlines(True),
-                                            self.code_after.splitlines(True),
-                                            f"before {self.name}", f"after {self.name}"))
+        return "".join(
+            difflib.unified_diff(
+                self.code_before.splitlines(True),
+                self.code_after.splitlines(True),
+                f"before {self.name}",
+                f"after {self.name}",
+            )
+        )
 
     def __str__(self) -> str:
         if self.skipped:
             return f"{self.name}: disabled"
-        ops = ", ".join(f"{op} {a}->{b}" for op, a, b in
-                        ((op, *c) for op, c in self.changed_ops().items())) or "no op changed"
-        return (f"{self.name}: {sum(self.before.values())} -> {sum(self.after.values())} nodes "
-                f"(+{len(self.added)} -{len(self.removed)}); {ops}")
+        ops = (
+            ", ".join(
+                f"{op} {a}->{b}" for op, a, b in ((op, *c) for op, c in self.changed_ops().items())
+            )
+            or "no op changed"
+        )
+        return (
+            f"{self.name}: {sum(self.before.values())} -> {sum(self.after.values())} nodes "
+            f"(+{len(self.added)} -{len(self.removed)}); {ops}"
+        )
 
 
 def pass_table(records: list[PassRecord], ops_shown: int = 3) -> str:
@@ -98,11 +115,17 @@ def pass_table(records: list[PassRecord], ops_shown: int = 3) -> str:
             rows.append((r.name, "disabled", "", "", ""))
             continue
         changed = sorted(r.changed_ops().items(), key=lambda c: -abs(c[1][1] - c[1][0]))
-        ops = ", ".join(f"{op.split(':', 1)[-1]} {a}->{b}" for op, (a, b) in
-                        changed[:ops_shown])
+        ops = ", ".join(f"{op.split(':', 1)[-1]} {a}->{b}" for op, (a, b) in changed[:ops_shown])
         more = f" (+{len(changed) - ops_shown} more)" if len(changed) > ops_shown else ""
-        rows.append((r.name, f"{sum(r.before.values())} -> {sum(r.after.values())}",
-                     f"+{len(r.added)}", f"-{len(r.removed)}", (ops + more) or "-"))
+        rows.append(
+            (
+                r.name,
+                f"{sum(r.before.values())} -> {sum(r.after.values())}",
+                f"+{len(r.added)}",
+                f"-{len(r.removed)}",
+                (ops + more) or "-",
+            )
+        )
     return format_table(rows, align="left")
 
 
@@ -118,13 +141,16 @@ def run_pipeline(passes, gm: fx.GraphModule, ctx) -> fx.GraphModule:
     disable = set(ctx.options.disable)
     unknown = sorted(disable - set(names))
     if unknown:
-        raise ValueError(f"rtp_compile.transform: disable names no pass: {unknown}; the "
-                         f"passes are {names}")
+        raise ValueError(
+            f"rtp_compile.transform: disable names no pass: {unknown}; the passes are {names}"
+        )
     needed = [p.__name__ for p in passes if p.required and p.__name__ in disable]
     if needed:
-        raise ValueError(f"rtp_compile.transform: pass(es) {needed} cannot be disabled: the "
-                         f"rank programs are made from what they produce; optional passes: "
-                         f"{[p.__name__ for p in passes if not p.required]}")
+        raise ValueError(
+            f"rtp_compile.transform: pass(es) {needed} cannot be disabled: the "
+            f"rank programs are made from what they produce; optional passes: "
+            f"{[p.__name__ for p in passes if not p.required]}"
+        )
     debug = ctx.options.debug
     for p in passes:
         before, before_names = _census(gm)
@@ -137,9 +163,15 @@ def run_pipeline(passes, gm: fx.GraphModule, ctx) -> fx.GraphModule:
             after, after_names = _census(gm)
             if p.plans_only and (after, after_names) != (before, before_names):
                 raise InvariantError(f"{p.__name__} is a planning pass but changed the graph")
-            record = PassRecord(p.__name__, before, after, sorted(after_names - before_names),
-                                sorted(before_names - after_names), code_before=code,
-                                code_after=gm.code if debug else None)
+            record = PassRecord(
+                p.__name__,
+                before,
+                after,
+                sorted(after_names - before_names),
+                sorted(before_names - after_names),
+                code_before=code,
+                code_after=gm.code if debug else None,
+            )
         ctx.pass_log.append(record)
         log.log(logging.INFO if debug else logging.DEBUG, "%s", record)
     return gm
