@@ -1,8 +1,8 @@
 """What each weight-bearing op computes with one shard of its parameters.
 
 One rule per kind of computation (linear, conv, embedding, elementwise), whatever the capture level
-that produced the node (adapters in `passes/match.py` translate nodes into `OpCall`s). A rule says
-which shard dims it supports (its *modes*), how step outputs combine (concatenate the partial
+that produced the node (adapters in `passes/analysis/match.py` translate nodes into `OpCall`s).
+A rule says which shard dims it supports (its *modes*), how step outputs combine (concatenate the partial
 outputs, or sum them), and gives two functions written in plain torch ops:
 
 - `forward_step`: the partial output of one step; codegen traces it into the emitted graph, so the

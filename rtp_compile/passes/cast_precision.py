@@ -1,6 +1,6 @@
 """Mixed precision at the program's boundary, where FSDP2 applies its policy to the root
 module: floating inputs cast to `param_dtype` (`cast_forward_inputs`), floating outputs to
-`output_dtype` (`runtime.graph_ops.cast_floating`; backward casts their gradients back).
+`output_dtype` (`core.graph_ops.cast_floating`; backward casts their gradients back).
 
 Invariant: without an `mp_policy` the graph is unchanged; with one that casts inputs, every
 input is read only through its cast; with an `output_dtype`, every value returned is cast.

@@ -8,7 +8,7 @@ is summed. One ring pass carries all the block's shards, and the hidden activati
 is never concatenated.
 
 Invariant: a block is fused only where that is exact: every op of its region computes a shard's
-slice of the cut axis from the inputs' slices (`passes.cut_axis`: pointwise ops, head-wise
+slice of the cut axis from the inputs' slices (`passes.analysis.cut_axis`: pointwise ops, head-wise
 attention, views and transposes that carry the axis, splits beside it, kv heads repeated for
 their q heads, sizes and per-head operands rewritten per shard), shards hold whole groups of
 that axis (an MLP's hidden units; a kv head with its q heads), nothing outside the block reads

@@ -1,6 +1,7 @@
-"""Reading a full checkpoint one tensor (or one rank's shard) at a time.
+"""Reading a full state dict (a mapping, a `torch.save` file or `.safetensors` files; what
+`module(..., checkpoint=...)` takes) one tensor (or one rank's shard) at a time.
 
-Checkpoint loading (`module(rank, device=d, checkpoint=path)`, `load_full_state_dict(gm, path)`):
+Loading (`module(rank, device=d, checkpoint=path)`, `load_full_state_dict(gm, path)`):
 a `torch.save`d state_dict (opened with `torch.load(mmap=True, weights_only=True)`), a
 `.safetensors` file, or a directory of them (a sharded transformers checkpoint). Every key and
 shape is checked before anything is read; then one parameter at a time only this rank's part is
@@ -24,7 +25,7 @@ import torch
 from rtp_compile.core.layout import ParamLayout
 
 
-class CheckpointSource:
+class FullStateSource:
     """A full state_dict to read from one tensor (or one shard) at a time."""
 
     description = "the state_dict"
@@ -51,7 +52,7 @@ class CheckpointSource:
         pass
 
 
-class DictSource(CheckpointSource):
+class DictSource(FullStateSource):
     """An in-memory (or memory-mapped, from torch.load(mmap=True)) state_dict."""
 
     def __init__(self, state_dict: Mapping, description: str = "the state_dict"):
@@ -67,7 +68,7 @@ class DictSource(CheckpointSource):
         return self.sd[key].detach()
 
 
-class SafetensorsSource(CheckpointSource):
+class SafetensorsSource(FullStateSource):
     """One or more .safetensors files (a sharded checkpoint: every file of a directory); reads
     only the slices asked for."""
 
@@ -114,9 +115,9 @@ class SafetensorsSource(CheckpointSource):
         self.stack.close()
 
 
-def open_checkpoint(checkpoint) -> CheckpointSource:
+def open_full_state(checkpoint) -> FullStateSource:
     """A state_dict mapping, a torch.save'd state_dict file, a .safetensors file, or a directory
-    of .safetensors files, as a CheckpointSource."""
+    of .safetensors files, as a FullStateSource."""
     if isinstance(checkpoint, Mapping):
         return DictSource(checkpoint)
     if not isinstance(checkpoint, (str, os.PathLike)):
@@ -153,8 +154,8 @@ def open_checkpoint(checkpoint) -> CheckpointSource:
     return DictSource(sd, f"the checkpoint {path}")
 
 
-def checkpoint_keys(
-    source: CheckpointSource,
+def full_state_keys(
+    source: FullStateSource,
     layouts: dict[str, ParamLayout],
     buffers: dict[str, tuple[int, ...]],
     what: str,

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from rtp_compile.core.state_keys import native_state_keys
-from rtp_compile.state.full_state import CheckpointSource, DictSource, open_checkpoint
+from rtp_compile.state.full_state import DictSource, FullStateSource, open_full_state
 
 _HOOK_TABLES = (
     "_state_dict_hooks",
@@ -88,10 +88,10 @@ def to_native(
     return {k: tensors[k].detach() for k in native_state_keys(model)}
 
 
-def open_model_checkpoint(checkpoint, model: nn.Module, what: str) -> CheckpointSource:
-    """`full_state.open_checkpoint`, speaking native names: a model with state-dict hooks
+def open_model_full_state(checkpoint, model: nn.Module, what: str) -> FullStateSource:
+    """`full_state.open_full_state`, speaking native names: a model with state-dict hooks
     has its checkpoint read whole and translated by `to_native` (the hooks need whole tensors)."""
-    source = open_checkpoint(checkpoint)
+    source = open_full_state(checkpoint)
     if model is None or not has_state_dict_hooks(model):
         return source
     try:

@@ -19,9 +19,9 @@ from torch import nn
 
 from rtp_compile.core.layout import ParamLayout
 from rtp_compile.runtime.job import job_of
-from rtp_compile.state.full_state import checkpoint_keys
+from rtp_compile.state.full_state import full_state_keys
 from rtp_compile.state.model_state import (
-    open_model_checkpoint,
+    open_model_full_state,
     skeleton,
     state_dict_sources,
     to_model_state_dict,
@@ -81,10 +81,10 @@ class ProgramState:
         """Take a full state_dict (a mapping, or a path: `RTPProgram.load_full_state_dict`) into
         the shards of `gm`; every key and shape checked before anything is written."""
         rank = job_of(gm).rank
-        source = open_model_checkpoint(state_dict, self.model, "load_full_state_dict")
+        source = open_model_full_state(state_dict, self.model, "load_full_state_dict")
         try:
             buffers = {n: tuple(gm.get_buffer(n).shape) for n in self.buffer_names}
-            keys = checkpoint_keys(source, self.layouts, buffers, "load_full_state_dict")
+            keys = full_state_keys(source, self.layouts, buffers, "load_full_state_dict")
             with torch.no_grad():
                 for name, layout in self.layouts.items():
                     param = gm.get_parameter(name)

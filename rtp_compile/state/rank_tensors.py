@@ -12,16 +12,16 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from rtp_compile.state.full_state import checkpoint_keys
+from rtp_compile.state.full_state import full_state_keys
 from rtp_compile.state.materialize import _check_seed, _owned, init_module
-from rtp_compile.state.model_state import open_model_checkpoint
+from rtp_compile.state.model_state import open_model_full_state
 
 
 @dataclass
 class RankTensors:
     """What `prog.module(rank)` installs: the rank's parameter shards, and the buffers and
     constants that had to be materialised (the rest are copied from the program as they are);
-    `device`: where a program captured on the meta device now runs (see `passes.retarget_meta`)."""
+    `device`: where a program captured on the meta device now runs (see `core.retarget_meta`)."""
 
     shards: dict[str, torch.Tensor]
     attrs: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -77,7 +77,7 @@ def rank_tensors(ctx, src: fx.GraphModule, rank: int, device, seed: int, checkpo
             "device: prog.module(rank, device='cuda' or 'cpu', checkpoint=path)"
         )
     source = (
-        open_model_checkpoint(checkpoint, model, f"prog.module({rank}, checkpoint=...)")
+        open_model_full_state(checkpoint, model, f"prog.module({rank}, checkpoint=...)")
         if checkpoint is not None
         else None
     )
@@ -89,7 +89,7 @@ def rank_tensors(ctx, src: fx.GraphModule, rank: int, device, seed: int, checkpo
             else {}
         )
         keys = (
-            checkpoint_keys(source, plan.params, loaded, f"prog.module({rank}, checkpoint=...)")
+            full_state_keys(source, plan.params, loaded, f"prog.module({rank}, checkpoint=...)")
             if source is not None
             else {}
         )

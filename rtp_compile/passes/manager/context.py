@@ -159,7 +159,7 @@ class Context:
 
     @classmethod
     def of(cls, captured, world_size: int, options: Options) -> Context:
-        """The context of a fresh capture (`rtp_compile.capture.Captured`)."""
+        """The context of a fresh capture (`rtp_compile.capture.trace.Captured`)."""
         reference = fx.GraphModule(captured.gm, copy.deepcopy(captured.gm.graph))
         return cls(
             check_world_size(world_size, "rtp_compile.transform"),
