@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 class RTPProgram:
     """One model compiled for `world_size` ranks: `module(rank)` emits a rank's GraphModule.
 
-    `ctx` is the compilation (`passes.manager.context.Context`: capture, options, plan, unit bodies and
-    schedules, pass log); `graph_module` the rank-generic program the passes made."""
+    `ctx` is the compilation (`passes.manager.context.Context`: capture, options, plan, unit
+    bodies and schedules, pass log); `graph_module` the rank-generic program the passes made."""
 
     def __init__(self, ctx: Context, graph_module: fx.GraphModule):
         self.ctx = ctx
@@ -60,7 +60,8 @@ class RTPProgram:
 
     @property
     def pass_log(self):
-        """What each pass changed (`passes.manager.pipeline.PassRecord`); `debug=True` keeps code diffs."""
+        """What each pass changed (`passes.manager.pipeline.PassRecord`); `debug=True` keeps
+        code diffs."""
         return self.ctx.pass_log
 
     @functools.cached_property

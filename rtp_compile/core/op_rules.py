@@ -2,8 +2,8 @@
 
 One rule per kind of computation (linear, conv, embedding, elementwise), whatever the capture level
 that produced the node (adapters in `passes/analysis/match.py` translate nodes into `OpCall`s).
-A rule says which shard dims it supports (its *modes*), how step outputs combine (concatenate the partial
-outputs, or sum them), and gives two functions written in plain torch ops:
+A rule says which shard dims it supports (its *modes*), how step outputs combine (concatenate the
+partial outputs, or sum them), and gives two functions written in plain torch ops:
 
 - `forward_step`: the partial output of one step; codegen traces it into the emitted graph, so the
   per-rank code shows the real ops with the rank's offsets as constants;
