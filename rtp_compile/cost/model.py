@@ -196,9 +196,9 @@ def rtp_cost(
     accumulators in the reduce dtype; the state stays in the parameters' dtype."""
     element = {n: (dtype or lay.dtype).itemsize for n, lay in plan.params.items()}
     shard = {n: _layout_expr(lay, element[n]) for n, lay in plan.params.items()}
-    master = {n: dtype or lay.dtype for n, lay in plan.params.items()}
-    rotating = {n: precision.compute(d) for n, d in master.items()}
-    reducing = {n: precision.reduce(d) for n, d in master.items()}
+    stored = {n: dtype or lay.dtype for n, lay in plan.params.items()}
+    rotating = {n: precision.compute(d) for n, d in stored.items()}
+    reducing = {n: precision.reduce(d) for n, d in stored.items()}
     params, grads, opt = _state(shard, len(plan.params), optimizer)
     ring = sympy.Min(N - 1, 1)  # one rank has no ring: nothing in flight
     forward_units, backward_units, traffic = [], [], sympy.Integer(0)

@@ -159,7 +159,7 @@ class _Member:
     marker: fx.Node
     unit: object
     params: list
-    masters: list  # the shards' own dtypes
+    stored: list  # the shards' stored dtypes (the model's)
     specs: list  # (shape, dtype) of the shards as they rotate: in their compute dtype
 
     @classmethod
@@ -219,14 +219,14 @@ def _step(tracer, member: _Member, k: int, x_in, held: list[fx.Node]) -> fx.Node
 
 
 def _own_shard(
-    create, param: fx.Node, master: torch.dtype, compute: torch.dtype, name: str
+    create, param: fx.Node, stored: torch.dtype, compute: torch.dtype, name: str
 ) -> list[fx.Node]:
     """The rank's own shard as its unit's step 0 reads and its first hop sends it: detached,
     and cast once to its compute dtype (mixed precision: the ring carries that dtype). The
     nodes made, the shard last."""
-    if master == compute:
+    if stored == compute:
         return [create("call_method", "detach", (param,), {}, name=name)]
-    shard = create("call_method", "detach", (param,), {}, name=f"{name}_master")
+    shard = create("call_method", "detach", (param,), {}, name=f"{name}_stored")
     return [shard, create("call_method", "to", (shard, compute), {}, name=name)]
 
 
@@ -235,8 +235,8 @@ def _unit_input(create, member: _Member) -> fx.Node:
     its weights' dtype (linear, conv, a fused block's linears), checked to be in it."""
     unit, name = member.unit, f"{member.unit.name}_in"
     op = "fused block" if unit.kind == UnitKind.FUSED else unit.call.rule.name
-    (_, compute), master = member.specs[0], member.masters[0]
-    if op not in ("fused block", "linear", "conv") or compute == master:
+    (_, compute), stored = member.specs[0], member.stored[0]
+    if op not in ("fused block", "linear", "conv") or compute == stored:
         return create("call_method", "detach", (member.x,), {}, name=name)
     x = create("call_method", "detach", (member.x,), {}, name=f"{name}_unchecked")
     what = f"{op} of {', '.join(unit.params.values())}"
@@ -282,8 +282,8 @@ def _expand(
         for m in members:
             tracer.label = NodeLabel(m.unit.name, 0, Action.DETACH)
             own = [
-                _own_shard(create, p, master, compute, m.label(r, 0))
-                for p, r, master, (_, compute) in zip(m.params, m.unit.params, m.masters, m.specs)
+                _own_shard(create, p, stored, compute, m.label(r, 0))
+                for p, r, stored, (_, compute) in zip(m.params, m.unit.params, m.stored, m.specs)
             ]
             arrived[0][m.unit.name] = [nodes[-1] for nodes in own]
             first += [node for nodes in own for node in nodes]
