@@ -1,7 +1,9 @@
 """rtp_compile: compile a PyTorch model into per-rank programs that train with Rotated Tensor
 Parallelism. The public surface is `transform`, `launch`, `RTPProgram`, `clip_grad_norm_`;
 for looking at a run `record_traces` and `timeline`; for torch.compile `backend` (also
-`backend="rtp"`), `shard`, `full_state_dict` and `load_full_state_dict` (see docs/API)."""
+`backend="rtp"`), `shard`, `full_state_dict` and `load_full_state_dict`; `checkpoint` (DCP
+save and load, imported on first use). README.md shows each in use; docs/design.md says how
+the package is laid out."""
 
 from rtp_compile.capture.trace import CaptureError
 from rtp_compile.compile_backend.backend import backend, register_rtp_backend

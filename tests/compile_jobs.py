@@ -48,7 +48,7 @@ def _received(node: fx.Node) -> bool:
 def aot_eager_watching(received: dict):
     """aot_eager (min-cut partitioner, the graphs run as traced) that records in `received`
     how many tensors of the compiled forward a ring hop received ("in forward") and which of
-    them it saves for backward ("saved"; none may be: DESIGN.md 3.2, weights are re-fetched,
+    them it saves for backward ("saved"; none may be: weights are re-fetched,
     never saved)."""
 
     def forward(gm, example_inputs):

@@ -1,4 +1,4 @@
-"""Communication/compute overlap, read off the emitted graphs (DESIGN.md invariant 3).
+"""Communication/compute overlap, read off the emitted graphs (the schedule pass's invariant).
 
 Forward, in every unit of every rank: the hop that brings step k+1's shard is started before
 any op of step k's compute, waited on after step k's compute and before step k+1's. Backward

@@ -1,6 +1,6 @@
 """Model (+ example inputs) -> one torch.fx graph whose parameters are read by their original names.
 
-Two capture paths (DESIGN.md §2): `torch.fx.symbolic_trace` when no example inputs are given
+Two capture paths: `torch.fx.symbolic_trace` when no example inputs are given
 (plain user models; torch.nn modules stay leaf calls, lowered later by `passes.lower_modules`),
 and `torch.export.export(strict=False)` with them (what real models need), unlifted back to a
 GraphModule. Either way every parameter is a `get_attr` node named by its canonical (first)

@@ -62,12 +62,12 @@ def _install(root: nn.Module, target: str, value: torch.Tensor) -> None:
 
 
 class RankEmitter:
-    """Builds the GraphModule of one rank from the shared program."""
+    """Builds the GraphModule of one rank from the rank-generic program."""
 
     def __init__(
         self,
         ctx: Context,
-        program_gm: fx.GraphModule,
+        graph_module: fx.GraphModule,
         rank: int,
         group_name: str,
         device=None,
@@ -82,7 +82,7 @@ class RankEmitter:
         parameters); `attrs`: values for buffers / constants of the program (default: copies of
         its own). `replica` of `replicas` in group `replica_group_name`: where the rank's ring
         sits among data-parallel replicas of it (a 2-D mesh's first dim)."""
-        self.ctx, self.src, self.plan = ctx, program_gm, ctx.plan
+        self.ctx, self.src, self.plan = ctx, graph_module, ctx.plan
         self.shards, self.attrs = shards or {}, attrs or {}
         self.rank, self.n, self.group_name = rank, ctx.world_size, group_name
         self.replica, self.replicas = replica, replicas
@@ -93,7 +93,7 @@ class RankEmitter:
         self.buckets: dict[str, BucketRuntime] = {}
         self.tickets: dict[str, fx.Node] = {}  # bucket -> its forward's ticket
         self.graph = fx.Graph()
-        self.graph._codegen = copy.deepcopy(program_gm.graph._codegen)
+        self.graph._codegen = copy.deepcopy(graph_module.graph._codegen)
         self.tracer = LabellingTracer(self.graph)
         self.root: dict = {}
 

@@ -16,7 +16,7 @@ exist besides the rank's own. Backward runs the steps in reverse (step j holds s
 (rank + 1 + j) mod N), re-fetching weights counter-clockwise, while a gradient accumulator
 travels with each shard and arrives complete at its owner after the last step.
 
-Invariant (DESIGN.md 3, checked on the graph after the pass): every start precedes the compute
+Invariant (checked on the graph after the pass): every start precedes the compute
 it overlaps, every wait comes after that compute and before the step that uses what it
 receives; every unit has its schedule; parameters are read only by the nodes of units.
 """
