@@ -11,7 +11,7 @@ import rtp_compile
 from rtp_compile.capture.trace import capture
 from rtp_compile.core.ir import unit_of
 from rtp_compile.core.layout import ParamLayout
-from rtp_compile.core.op_rules import RULES, External, Step
+from rtp_compile.core.op_rules import RULES, ChainOp, RunInput
 from rtp_compile.passes.analysis.match import match_op, parameter_reads
 from rtp_compile.passes.lower_modules import lower_modules
 from rtp_compile.passes.manager.context import Context, Options
@@ -250,8 +250,8 @@ RULE_CASES = [
             "shape": (1, 7, 1, 3),
             "chains": {
                 "weight": (
-                    Step(torch.ops.aten.to.dtype, 0, (torch.float32,)),
-                    Step(operator.sub, 1, (1.0,)),
+                    ChainOp(torch.ops.aten.to.dtype, 0, (torch.float32,)),
+                    ChainOp(operator.sub, 1, (1.0,)),
                 )
             },
         },
@@ -263,10 +263,10 @@ RULE_CASES = [
         "elementwise",
         {
             "dim": -1,
-            "externals": (torch.float64,),
+            "run_inputs": (torch.float64,),
             "chains": {
-                "weight": (Step("to", 0, (External(0),)),),
-                "bias": (Step("mul", 0, (-0.5,)),),
+                "weight": (ChainOp("to", 0, (RunInput(0),)),),
+                "bias": (ChainOp("mul", 0, (-0.5,)),),
             },
         },
         {"weight": (3, 7), "bias": (3, 7)},

@@ -136,7 +136,7 @@ def rotated_op(name: str, x, *params):
     )
 
 
-def fused_block(name: str, x, *params_then_externals):
+def fused_block(name: str, x, *params_then_extras):
     """Marker of a fused block in the rank-generic graph; codegen unrolls it for a rank."""
     raise RuntimeError(
         f"fused block {name!r} belongs to the rank-generic program: run the "
@@ -169,7 +169,7 @@ def bucket_params(name: str, *own):
     )
 
 
-def unit_step(name: str, step: int, x, *held_then_externals):
+def unit_step(name: str, step: int, x, *held_then_extras):
     """Marker of forward step `step` of unit `name`; codegen traces the step for the shard the
     rank holds then."""
     raise RuntimeError(
@@ -184,7 +184,7 @@ def unit_combine(name: str, parts):
     raise RuntimeError(f"unit {name!r} belongs to the rank-generic program: run prog.module(rank)")
 
 
-def unit_autograd(name: str, y, x, *params_then_externals):
+def unit_autograd(name: str, y, x, *params_then_extras):
     """Marker: unit `name`'s runtime module, which links its combined output `y` into autograd
     (its backward executes the unit's backward events)."""
     raise RuntimeError(f"unit {name!r} belongs to the rank-generic program: run prog.module(rank)")

@@ -14,8 +14,9 @@ partial outputs, or sum them), and gives two functions written in plain torch op
 Shards arrive padded (`rtp_compile.core.layout`); the steps read only their real part.
 
 An elementwise op may read its parameter through a chain (`w.to(x.dtype)`, `1 + w`,
-`w.view(1, 1, -1)`): `OpCall.options` then holds the steps (`Step`) and the shape the op sees,
-and the rule applies them to each shard's real part; its gradient goes back through them.
+`w.view(1, 1, -1)`): `OpCall.options` then holds the chain's ops (`ChainOp`) and the shape the
+op sees, and the rule applies them to each shard's real part; its gradient goes back through
+them.
 """
 
 from __future__ import annotations
@@ -50,33 +51,33 @@ class OpCall:
     options: dict = field(default_factory=dict)
     # what the parameter chain reads at run time, as (node name, attribute or None): the dtype
     # of `w.to(x.dtype)` or `w.type_as(x)`; the unit's marker carries their values
-    externals: list[tuple[str, str | None]] = field(default_factory=list)
+    run_inputs: list[tuple[str, str | None]] = field(default_factory=list)
 
     def run_options(self, values) -> dict:
-        """`options` with the externals' values (proxies when traced) under "externals"."""
-        return {**self.options, "externals": tuple(values)} if self.externals else self.options
+        """`options` with the run-time inputs' values (proxies when traced) under "run_inputs"."""
+        return {**self.options, "run_inputs": tuple(values)} if self.run_inputs else self.options
 
 
 @dataclass(frozen=True)
-class External:
-    """An argument of a `Step` known only at run time: the value of the call's external `index`."""
+class RunInput:
+    """An argument of a `ChainOp` known only at run time: the call's run-time input `index`."""
 
     index: int
 
 
 @dataclass(frozen=True)
-class Step:
+class ChainOp:
     """One op between a parameter's read and its elementwise use, as the graph calls it:
     `target` (a function, or a tensor method's name) with the parameter so far inserted into
-    `args` at `param_at`; `External`s in `args` / `kwargs` are read at run time."""
+    `args` at `param_at`; `RunInput`s in `args` / `kwargs` are read at run time."""
 
     target: Any
     param_at: int
     args: tuple = ()
     kwargs: tuple = ()  # (name, value) pairs
 
-    def __call__(self, w, externals=()):
-        value = lambda a: externals[a.index] if isinstance(a, External) else a  # noqa: E731
+    def __call__(self, w, run_inputs=()):
+        value = lambda a: run_inputs[a.index] if isinstance(a, RunInput) else a  # noqa: E731
         args = [value(a) for a in self.args]
         args.insert(self.param_at, w)
         kwargs = {k: value(v) for k, v in self.kwargs}
@@ -301,7 +302,7 @@ class ElementwiseRule(Rule):
 
     options["dim"]: as in `affine`. Every parameter role shares the same shape. A parameter
     read through a chain: options["shape"], the shape the op sees (the parameter's with size-1
-    dims added or dropped), and options["chains"][role], the `Step`s applied after that view.
+    dims added or dropped), and options["chains"][role], the `ChainOp`s applied after that view.
     """
 
     name = "elementwise"
@@ -344,7 +345,7 @@ class ElementwiseRule(Rule):
             sdim, seen = self._seen_dim(options, shapes[role], pdim)
             w = w.reshape(seen[:sdim] + (valid,) + seen[sdim + 1 :])
         for step in options.get("chains", {}).get(role, ()):
-            w = step(w, options.get("externals", ()))
+            w = step(w, options.get("run_inputs", ()))
         return w
 
     def _params(self, pdim, slot, shards, options, shapes):

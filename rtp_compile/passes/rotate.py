@@ -1,9 +1,10 @@
 """Weight-bearing nodes -> rank-generic unit markers.
 
-Every rotated node becomes `rotated_op(name, x, *params, *externals)` (externals: what its
-parameter chain reads at run time, e.g. `x.dtype`); a fused block (its first layers,
-region and last layer) becomes `fused_block(name, x, *params, *externals)` with its region kept
-as a body GraphModule (externals: what the region reads from outside, e.g. an attention mask);
+Every rotated node becomes `rotated_op(name, x, *params, *run_inputs)` (run-time inputs: what
+its parameter chains read when it runs, e.g. `x.dtype`); a fused block (its column linears,
+region and tail) becomes `fused_block(name, x, *params, *externals)` with its region kept as a
+body GraphModule (externals: what the region reads from outside, e.g. an attention mask). A
+marker's *extras* are what it carries after its weights: the one or the other;
 every gathered node becomes `gathered_op(name, *inputs, *params)`, and the gathered op (with
 the parameter-only ops that feed it, such as `w.t()`) moves into a small body GraphModule run
 on the gathered tensors. The schedule pass then writes each rotated or fused marker's steps.
@@ -149,11 +150,11 @@ def rotate(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             param_reads = [graph.get_attr(p) for p in unit.params.values()]
             if unit.kind == UnitKind.ROTATE:
                 x = by_name[unit.call.input]
-                externals = [
+                run_inputs = [
                     graph.call_function(getattr, (by_name[e], attr)) if attr else by_name[e]
-                    for e, attr in unit.call.externals
+                    for e, attr in unit.call.run_inputs
                 ]
-                marker = graph.call_function(rotated_op, (unit.name, x, *param_reads, *externals))
+                marker = graph.call_function(rotated_op, (unit.name, x, *param_reads, *run_inputs))
             elif unit.kind == UnitKind.FUSED:
                 bodies[unit.name] = region_body(gm, unit.fusion)
                 x = by_name[unit.fusion.heads[0].call.input]

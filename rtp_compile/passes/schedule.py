@@ -153,7 +153,7 @@ class Expanded:
 @dataclass
 class _Member:
     """One unit of what `_expand` writes: its marker's arguments, split. Its input and
-    externals are read from the marker when used: an earlier unit of its bucket, finished
+    extras are read from the marker when used: an earlier unit of its bucket, finished
     first, may have replaced the node that computes them."""
 
     marker: fx.Node
@@ -178,7 +178,9 @@ class _Member:
         return self.marker.args[1]
 
     @property
-    def externals(self) -> list:
+    def extras(self) -> list:
+        """What the marker carries after its weights: a rotated op's run-time inputs, a fused
+        block's externals."""
         return list(self.marker.args[2 + len(self.unit.params) :])
 
     def label(self, r: str, k: int) -> str:
@@ -195,7 +197,7 @@ def _finish(graph, tracer, member: _Member, x_in, parts: list[fx.Node]) -> None:
     link = create(
         "call_function",
         unit_autograd,
-        (name, y, member.x, *member.params, *member.externals),
+        (name, y, member.x, *member.params, *member.extras),
         {},
         name=name,
     )
@@ -212,7 +214,7 @@ def _step(tracer, member: _Member, k: int, x_in, held: list[fx.Node]) -> fx.Node
     return tracer.create_node(
         "call_function",
         unit_step,
-        (name, k, x_in, *held, *member.externals),
+        (name, k, x_in, *held, *member.extras),
         {},
         name=f"{name}_y{k}",
     )

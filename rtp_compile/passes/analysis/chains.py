@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from rtp_compile.core.ir import target_name
-from rtp_compile.core.op_rules import External, Step
+from rtp_compile.core.op_rules import ChainOp, RunInput
 
 aten = torch.ops.aten
 
@@ -143,17 +143,17 @@ def chain_break(closure: list[fx.Node], reads) -> fx.Node | None:
     return next((n for n in closure if n not in reads and chain_input(n) is None), None)
 
 
-def _cast_step(node: fx.Node, externals: list) -> Step:
-    """A cast as a step; a dtype only known at run time becomes `w.to(External(i))`."""
+def _cast_step(node: fx.Node, run_inputs: list) -> ChainOp:
+    """A cast as a step; a dtype only known at run time becomes `w.to(RunInput(i))`."""
 
     def external(ref):
-        if ref not in externals:
-            externals.append(ref)
-        return Step("to", 0, (External(externals.index(ref)),))
+        if ref not in run_inputs:
+            run_inputs.append(ref)
+        return ChainOp("to", 0, (RunInput(run_inputs.index(ref)),))
 
     target, rest = op_key(node.target), node.args[1:]
     if target in _DTYPE_METHODS:
-        return Step(target, 0)
+        return ChainOp(target, 0)
     if target in ("type_as", aten.type_as.default):
         return external((rest[0].name, "dtype"))
     if target == "to":
@@ -168,7 +168,7 @@ def _cast_step(node: fx.Node, externals: list) -> Step:
     elif target is aten._to_copy.default:
         if rest or any(v is not None for k, v in node.kwargs.items() if k != "dtype"):
             raise Unshardable(f"{describe(node)} copies the parameter to another layout or device")
-    return Step(node.target, 0, tuple(rest), tuple(node.kwargs.items()))
+    return ChainOp(node.target, 0, tuple(rest), tuple(node.kwargs.items()))
 
 
 def _on_meta(node: fx.Node, value: torch.Tensor, at: fx.Node) -> torch.Tensor:
@@ -180,10 +180,10 @@ def _on_meta(node: fx.Node, value: torch.Tensor, at: fx.Node) -> torch.Tensor:
     return node.target(*args, **kwargs)
 
 
-def parameter_chain(value, reads, gm, externals: list):
+def parameter_chain(value, reads, gm, run_inputs: list):
     """(parameter name, steps, the shape the op sees) when `value` is a parameter read or a
     chain of `CHAIN_OPS` from one, else None. Raises Unshardable for a chain whose view does
-    more than add or drop size-1 dims. Run-time dtypes are appended to `externals`."""
+    more than add or drop size-1 dims. Run-time dtypes are appended to `run_inputs`."""
     chain = []
     while value not in reads:
         at = chain_input(value)
@@ -213,8 +213,8 @@ def parameter_chain(value, reads, gm, externals: list):
                 )
             meta = viewed
         elif kind == CAST:
-            steps.append(_cast_step(node, externals))
-            if not any(isinstance(a, External) for a in steps[-1].args):
+            steps.append(_cast_step(node, run_inputs))
+            if not any(isinstance(a, RunInput) for a in steps[-1].args):
                 meta = steps[-1](meta)
             if not meta.dtype.is_floating_point:
                 raise Unshardable(f"{describe(node)} casts the parameter to {meta.dtype}")
@@ -222,7 +222,7 @@ def parameter_chain(value, reads, gm, externals: list):
             args = list(node.args)
             param_at = args.index(at)
             del args[param_at]
-            steps.append(Step(node.target, param_at, tuple(args), tuple(node.kwargs.items())))
+            steps.append(ChainOp(node.target, param_at, tuple(args), tuple(node.kwargs.items())))
             meta = steps[-1](meta)
         at = node
     return name, tuple(steps), tuple(meta.shape)

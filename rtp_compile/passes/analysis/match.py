@@ -231,9 +231,9 @@ def _elementwise(x, operands: dict, dim, reads, gm):
     operands = {role: v for role, v in operands.items() if v is not None}
     if not operands:
         return None
-    externals, found = [], {}
+    run_inputs, found = [], {}
     for role, value in operands.items():
-        found[role] = parameter_chain(value, reads, gm, externals)
+        found[role] = parameter_chain(value, reads, gm, run_inputs)
         if found[role] is None:
             return None
     shapes = {tuple(gm.get_parameter(name).shape) for name, _, _ in found.values()}
@@ -257,7 +257,7 @@ def _elementwise(x, operands: dict, dim, reads, gm):
         x,
         {role: name for role, (name, _, _) in found.items()},
         options,
-        externals,
+        run_inputs,
     )
 
 
