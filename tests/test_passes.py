@@ -387,7 +387,7 @@ def test_mlp_and_swiglu_blocks_fuse_into_one_unit():
             return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
 
     (unit,) = _plan(SwiGLU()).units
-    assert unit.kind == "fused" and len(unit.fusion.heads) == 2
+    assert unit.kind == "fused" and len(unit.fusion.columns) == 2
     assert set(unit.params.values()) == {"gate.weight", "up.weight", "down.weight", "down.bias"}
     assert all(u.kind != "fused" for u in _plan(tiny_gpt(), fuse=False).units)
 

@@ -89,7 +89,9 @@ class RankEmitter:
         self.replica_group_name = replica_group_name
         self.device, self.broadcast_buffers = device, broadcast_buffers
         self.units = {u.name: u for u in self.plan.units}
-        self.saved: dict[str, dict[int, list[fx.Node]]] = {}  # fused unit -> shard -> heads
+        self.saved: dict[
+            str, dict[int, list[fx.Node]]
+        ] = {}  # fused unit -> shard -> column outputs
         self.buckets: dict[str, BucketRuntime] = {}
         self.tickets: dict[str, fx.Node] = {}  # bucket -> its forward's ticket
         self.graph = fx.Graph()
@@ -238,20 +240,22 @@ class RankEmitter:
                 if "bias" in tail[0]
                 else None
             )
-        heads = [
+        columns = [
             LINEAR.forward_step(
                 Split.COL,
                 h.call.options,
                 x_p,
-                *[sub_roles(d, f"head{i}") for d in (shards, slots, shapes)],
+                *[sub_roles(d, f"col{i}") for d in (shards, slots, shapes)],
             )
-            for i, h in enumerate(fusion.heads)
+            for i, h in enumerate(fusion.columns)
         ]
-        self.saved.setdefault(unit.name, {})[s] = [h.node for h in heads]  # for backward
-        # this shard's groups of the cut axis (whole heads), as constants of the step
+        self.saved.setdefault(unit.name, {})[s] = [h.node for h in columns]  # for backward
+        # this shard's groups of the cut axis (whole columns), as constants of the step
         tail_layout = self.plan.params[unit.params["tail.weight"]]
         hidden = body(
-            *head_groups(slots, tail_layout), *heads, *[fx.Proxy(e, self.tracer) for e in externals]
+            *head_groups(slots, tail_layout),
+            *columns,
+            *[fx.Proxy(e, self.tracer) for e in externals],
         )
         return LINEAR.row_partial(fusion.tail.call.options, hidden, *tail)
 
@@ -295,7 +299,7 @@ class RankEmitter:
 
     def _autograd(self, node: fx.Node, env) -> fx.Node:
         """The unit's runtime module, called on (result, input, own shards[, externals, saved
-        head outputs]): it links the result into autograd and runs the unit's backward."""
+        column outputs]): it links the result into autograd and runs the unit's backward."""
         name, *args = node.args
         unit = self.units[name]
         roles, layouts, _ = self._layouts(unit)

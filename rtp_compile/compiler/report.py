@@ -28,7 +28,7 @@ def report(ctx: Context) -> str:
         elif u.kind == UnitKind.FUSED and u.fusion.attention:
             f = u.fusion
             lines.append(
-                f"  fused    {u.name}: attention heads of {len(f.heads)} "
+                f"  fused    {u.name}: attention heads of {len(f.columns)} "
                 f"projection(s) through {f.tail.params['weight'].rpartition('.')[0]}, "
                 f"{f.groups} head "
                 f"group(s) cut whole, up to {-(-f.groups // ctx.world_size)} per "
@@ -37,7 +37,7 @@ def report(ctx: Context) -> str:
             )
         elif u.kind == UnitKind.FUSED:
             lines.append(
-                f"  fused    {u.name}: {len(u.fusion.heads)} linear(s) -> "
+                f"  fused    {u.name}: {len(u.fusion.columns)} linear(s) -> "
                 f"{len(u.fusion.region)} pointwise op(s) -> linear, one ring pass, "
                 f"hidden {u.fusion.hidden} never concatenated [{u.target}] "
                 f"({dims}); {held:,} B/rank"

@@ -40,9 +40,9 @@ from rtp_compile.passes.plan import Plan, Unit, check_plan, unique_name
 
 @dataclasses.dataclass
 class Fusion:
-    """The block a fused unit runs: its column-split heads, region and tail."""
+    """The block a fused unit runs: its column linears, region and tail."""
 
-    heads: list[Unit]  # column-split linears reading the block's input
+    columns: list[Unit]  # column-split linears reading the block's input
     tail: Unit  # the linear reading the region's output, cut on inputs
     region: list[str]  # the ops between them, in graph order
     groups: int  # G: whole groups the cut axis holds (hidden units, kv heads)
@@ -67,7 +67,7 @@ def _block_name(units: list[Unit]) -> str:
     return "_".join(common) or units[-1].name
 
 
-def _is_head(unit: Unit) -> bool:
+def _is_column(unit: Unit) -> bool:
     return (
         unit.kind == UnitKind.ROTATE and unit.call.rule.name == "linear" and unit.mode == Split.COL
     )
@@ -112,7 +112,7 @@ class BlockFinder:
         self.readers = {name: len(plan.units_of(name)) for name in plan.params}
 
     def region_of(self, tail: Unit):
-        """(heads, region nodes, attention?) between the nearest column-split linears above
+        """(columns, region nodes, attention?) between the nearest column-split linears above
         `tail` and its input, or None where no column-split linear feeds it."""
         t_in = self.nodes[tail.call.input]
         # through data only: rotary tables made from an earlier block's q sizes bring no head
@@ -121,20 +121,20 @@ class BlockFinder:
             if t_in in self.units
             else nx.ancestors(self.data_to_units, t_in) & set(self.units)
         )
-        heads = sorted((n for n in above if _is_head(self.units[n])), key=self.order.get)
-        if not heads:
+        columns = sorted((n for n in above if _is_column(self.units[n])), key=self.order.get)
+        if not columns:
             return None
-        # paths from a head to the tail's input that pass no other unit
-        below = set().union(*(nx.descendants(self.stop_at_units, h) for h in heads))
+        # paths from a column linear to the tail's input that pass no other unit
+        below = set().union(*(nx.descendants(self.stop_at_units, h) for h in columns))
         region = sorted(
-            (below & (nx.ancestors(self.stop_at_units, t_in) | {t_in})) - set(heads),
+            (below & (nx.ancestors(self.stop_at_units, t_in) | {t_in})) - set(columns),
             key=self.order.get,
         )
-        return heads, region, any(is_attention(n) for n in region)
+        return columns, region, any(is_attention(n) for n in region)
 
-    def _read_only_inside(self, members: set, heads, tail_node) -> None:
+    def _read_only_inside(self, members: set, columns, tail_node) -> None:
         """NotExact naming the first value of the block read outside it, and why that stops the
-        block: a value from the heads' data exists per shard only as its heads' slice."""
+        block: a value from the column linears' data exists per shard only as its slice."""
         outside = {
             m: min(
                 set(self.graph.successors(m)) - members - {tail_node},
@@ -149,7 +149,7 @@ class BlockFinder:
         if value is None:
             return
         reader = outside[value].name
-        if any(nx.has_path(self.gradient, h, value) for h in heads):
+        if any(nx.has_path(self.gradient, h, value) for h in columns):
             raise NotExact(
                 f"{value.name}, computed from the heads, is also read outside the "
                 f"block (by {reader}; k or v kept as a cache, attention weights "
@@ -162,10 +162,10 @@ class BlockFinder:
             f"from the input)"
         )
 
-    def check(self, tail: Unit, heads, region) -> CutWalk:
+    def check(self, tail: Unit, columns, region) -> CutWalk:
         """The cut walk of the block, or NotExact with the first reason it is not exact."""
         t_in, tail_node = self.nodes[tail.call.input], self.nodes[tail.node]
-        units = [self.units[h] for h in heads]
+        units = [self.units[h] for h in columns]
         if len({u.call.input for u in units}) != 1:
             raise NotExact(
                 "its heads read different inputs (q from one, k/v from another, as "
@@ -173,8 +173,8 @@ class BlockFinder:
             )
         if any(u not in self.plan.units for u in units):
             raise NotExact("a head already belongs to another fused block")
-        members = set(region) | set(heads)
-        self._read_only_inside(members, heads, tail_node)
+        members = set(region) | set(columns)
+        self._read_only_inside(members, columns, tail_node)
         params = [p for u in units + [tail] for p in u.params.values()]
         if any(self.readers[p] != 1 for p in params):
             raise NotExact("a parameter of the block is tied or read elsewhere")
@@ -188,7 +188,7 @@ class BlockFinder:
                 )
         widths = {
             h: self.plan.params[u.params["weight"]].shape[_linear_dims(u)[0]]
-            for h, u in zip(heads, units)
+            for h, u in zip(columns, units)
         }
         hidden = self.plan.params[tail.params["weight"]].shape[_linear_dims(tail)[1]]
         walk = CutWalk(self.gm, region, widths, t_in, hidden)
@@ -222,17 +222,17 @@ def fuse_blocks(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         found = finder.region_of(tail)
         if found is None:
             continue
-        heads, region, attention = found
+        columns, region, attention = found
         try:
             if finder.readers[tail.params["weight"]] != 1:
                 raise NotExact("its output projection's weight is tied or read elsewhere")
-            walk = finder.check(tail, heads, region)
+            walk = finder.check(tail, columns, region)
             externals = sorted(
-                {i for n in region for i in n.all_input_nodes} - set(region) - set(heads),
+                {i for n in region for i in n.all_input_nodes} - set(region) - set(columns),
                 key=finder.order.get,
             )
             fusion = Fusion(
-                [finder.units[h] for h in heads],
+                [finder.units[h] for h in columns],
                 tail,
                 [n.name for n in region],
                 walk.groups(),
@@ -256,7 +256,7 @@ def _fused_layouts(plan: Plan, fusion: Fusion) -> dict[str, tuple[int, int]]:
     inputs, every other layout on its outputs, in whole groups (a granule: one group's width
     in that layer)."""
     g, out = fusion.groups, {}
-    for unit, dim in [(h, _linear_dims(h)[0]) for h in fusion.heads] + [
+    for unit, dim in [(h, _linear_dims(h)[0]) for h in fusion.columns] + [
         (fusion.tail, _linear_dims(fusion.tail)[1])
     ]:
         roles = (
@@ -285,14 +285,14 @@ def _record_fusion(plan: Plan, fusion: Fusion) -> None:
     for name, (d, granule) in _fused_layouts(plan, fusion).items():
         plan.params[name] = dataclasses.replace(plan.params[name], dim=d, granule=granule)
     params = {
-        f"head{i}.{role}": name
-        for i, h in enumerate(fusion.heads)
+        f"col{i}.{role}": name
+        for i, h in enumerate(fusion.columns)
         for role, name in h.params.items()
     }
     params.update({f"tail.{role}": name for role, name in fusion.tail.params.items()})
-    for unit in fusion.heads + [fusion.tail]:
+    for unit in fusion.columns + [fusion.tail]:
         plan.units.remove(unit)
-    name = unique_name(_block_name(fusion.heads + [fusion.tail]), plan.names())
+    name = unique_name(_block_name(fusion.columns + [fusion.tail]), plan.names())
     plan.units.append(
         Unit(
             name,
@@ -301,7 +301,7 @@ def _record_fusion(plan: Plan, fusion: Fusion) -> None:
             params,
             fusion.tail.call,
             Split.ROW,
-            target="+".join(u.target for u in fusion.heads + [fusion.tail]),
+            target="+".join(u.target for u in fusion.columns + [fusion.tail]),
             fusion=fusion,
         )
     )
@@ -336,7 +336,7 @@ def _rewritten(graph: fx.Graph, args: list, kwargs: dict, rewrites, first, group
 
 
 def region_body(gm: fx.GraphModule, fusion: Fusion) -> fx.GraphModule:
-    """The block's region as a GraphModule: (first group, groups held, *head outputs,
+    """The block's region as a GraphModule: (first group, groups held, *column outputs,
     *externals) in, the tail's input out. Run for any shard: its sizes on the cut axis are
     `groups` x a group's width, its per-head operands narrowed to the shard's groups."""
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -348,7 +348,7 @@ def region_body(gm: fx.GraphModule, fusion: Fusion) -> fx.GraphModule:
             graph, args, kwargs, fusion.rewrites.get(node.name, []), first, groups, fusion.groups
         )
 
-    inputs = [(nodes[h.node], f"head{i}") for i, h in enumerate(fusion.heads)] + [
+    inputs = [(nodes[h.node], f"col{i}") for i, h in enumerate(fusion.columns)] + [
         (nodes[name], name) for name in fusion.externals
     ]
     extract_graph(

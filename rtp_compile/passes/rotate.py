@@ -157,7 +157,7 @@ def rotate(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 marker = graph.call_function(rotated_op, (unit.name, x, *param_reads, *run_inputs))
             elif unit.kind == UnitKind.FUSED:
                 bodies[unit.name] = region_body(gm, unit.fusion)
-                x = by_name[unit.fusion.heads[0].call.input]
+                x = by_name[unit.fusion.columns[0].call.input]
                 externals = [by_name[e] for e in unit.fusion.externals]
                 marker = graph.call_function(fused_block, (unit.name, x, *param_reads, *externals))
             else:
@@ -173,7 +173,7 @@ def rotate(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if (
             unit.kind == UnitKind.FUSED
         ):  # the block's hidden ops and first layers now live in the unit
-            for name in [*reversed(unit.fusion.region), *(h.node for h in unit.fusion.heads)]:
+            for name in [*reversed(unit.fusion.region), *(h.node for h in unit.fusion.columns)]:
                 graph.erase_node(by_name[name])
     # only the parameter reads and parameter-only ops the units took over may go
     graph.eliminate_dead_code(is_impure_node=lambda n: n not in param_only)

@@ -1,6 +1,6 @@
 """The runtime of a fused block (column-split linears -> region -> row-split linear).
 
-Forward steps are emitted inline like any unit's; they also hand the unit each step's head
+Forward steps are emitted inline like any unit's; they also hand the unit each step's column
 outputs (the block's hidden slice before its region: together the size of one hidden activation,
 or of q, k and v in attention, what the unfused layers would save too) and the values the region
 reads from outside (a mask, rotary tables, sizes). Backward recomputes the region of a step from
@@ -48,7 +48,7 @@ class FusedBlockRuntime(UnitRuntime):
         super().__init__(
             name, roles, layouts, rank, world_size, group_name, schedule, grad_scale, precision
         )
-        self.head_options = [h.call.options for h in fusion.heads]
+        self.column_options = [h.call.options for h in fusion.columns]
         self.tail_options = fusion.tail.call.options
         self.hidden, self.body, self.attention = fusion.hidden, body, fusion.attention
         self.n_externals = len(fusion.externals)
@@ -57,12 +57,12 @@ class FusedBlockRuntime(UnitRuntime):
     def extra_repr(self) -> str:
         what = "attention heads" if self.attention else "pointwise"
         return (
-            f"fused block: {len(self.head_options)} column-split linear(s) -> {what} -> "
+            f"fused block: {len(self.column_options)} column-split linear(s) -> {what} -> "
             f"row-split linear, hidden {self.hidden}; rank {self.rank} of {self.world_size}"
         )
 
     def forward(self, y, x, *tensors, ticket=None):
-        """As UnitRuntime's, after the rank's own shards: the region's externals, then the head
+        """As UnitRuntime's, after the rank's own shards: the region's externals, then the column
         outputs of each step that held real groups."""
         externals = tensors[len(self.roles) : len(self.roles) + self.n_externals]
         if torch.is_grad_enabled() and any(
@@ -78,15 +78,15 @@ class FusedBlockRuntime(UnitRuntime):
     def _width(self, slots) -> int:
         return slots["tail.weight"].valid
 
-    def _saved_heads(self, shard, saved):
-        """This shard's head outputs among `saved` (all-padding shards saved none)."""
+    def _saved_columns(self, shard, saved):
+        """This shard's column outputs among `saved` (all-padding shards saved none)."""
         index = sum(1 for s in range(shard) if self.layouts[self.tail_weight].slot(s).valid)
-        k = len(self.head_options)
-        heads = saved[self.n_externals :]
-        return heads[index * k : (index + 1) * k]
+        k = len(self.column_options)
+        cols = saved[self.n_externals :]
+        return cols[index * k : (index + 1) * k]
 
     def _local(self, shard, dy, x, shards, slots, saved, scratch):
-        """(region output h, head output grads) of one step, computed once per step."""
+        """(region output h, column output grads) of one step, computed once per step."""
         if "h" not in scratch:
             width = self._width(slots)
             tail = sub_roles(shards, "tail")
@@ -97,33 +97,33 @@ class FusedBlockRuntime(UnitRuntime):
                 slots["tail.weight"],
             )
             if width == 0:
-                scratch["h"], scratch["dheads"] = (
+                scratch["h"], scratch["dcolumns"] = (
                     dy.new_zeros(*dy.shape[:-1], 0),
-                    [dy.new_zeros(*dy.shape[:-1], 0)] * len(self.head_options),
+                    [dy.new_zeros(*dy.shape[:-1], 0)] * len(self.column_options),
                 )
                 return scratch
-            heads = [h.detach().requires_grad_(True) for h in self._saved_heads(shard, saved)]
+            cols = [h.detach().requires_grad_(True) for h in self._saved_columns(shard, saved)]
             with torch.enable_grad():
                 h = self.body(
                     *head_groups(slots, self.layouts[self.tail_weight]),
-                    *heads,
+                    *cols,
                     *saved[: self.n_externals],
                 )
             scratch["h"] = h.detach()
-            scratch["dheads"] = torch.autograd.grad(h, heads, dy @ w_tail)
+            scratch["dcolumns"] = torch.autograd.grad(h, cols, dy @ w_tail)
         return scratch
 
     def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
         local = self._local(shard, dy, x, shards, slots, saved, scratch)
         if dx is None:
             return
-        for i, (options, dh) in enumerate(zip(self.head_options, local["dheads"])):
-            head = sub_roles(shards, f"head{i}")
+        for i, (options, dh) in enumerate(zip(self.column_options, local["dcolumns"])):
+            col = sub_roles(shards, f"col{i}")
             w = LINEAR.weight_as_out_in(
                 options,
-                head["weight"],
+                col["weight"],
                 LINEAR.weight_dim(Split.COL, options),
-                slots[f"head{i}.weight"],
+                slots[f"col{i}.weight"],
             )
             dx += dh @ w
 
@@ -132,5 +132,5 @@ class FusedBlockRuntime(UnitRuntime):
         LINEAR.row_weight_grads(
             self.tail_options, dy, local["h"], sub_roles(slots, "tail"), sub_roles(into, "tail")
         )
-        for i, (options, dh) in enumerate(zip(self.head_options, local["dheads"])):
-            LINEAR.col_weight_grads(options, dh, x, sub_roles(into, f"head{i}"))
+        for i, (options, dh) in enumerate(zip(self.column_options, local["dcolumns"])):
+            LINEAR.col_weight_grads(options, dh, x, sub_roles(into, f"col{i}"))
