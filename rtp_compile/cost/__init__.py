@@ -6,6 +6,8 @@ measures `cost.profile`).
     print(prog.cost(batch_size=1, seq_len=4096))                 # RTP
     print(rtp_compile.cost.fsdp(prog, batch_size=1, seq_len=4096))
     print(rtp_compile.cost.table(prog, batch_size=1, seq_len=4096, world_sizes=(8, 16, 64)))
+
+May import: `runtime` (precision) and `core`.
 """
 
 from __future__ import annotations
