@@ -51,6 +51,7 @@ def _check_parity(results, world_size):
                     assert r[what] <= TOL, f"{where}: {what} rel. error {r[what]:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_models_train_like_ddp_both_contracts(seed):
     """TinyGPT (plain compile after the optimizer: contract b; its rank program compiled whole
@@ -65,6 +66,7 @@ def test_models_train_like_ddp_both_contracts(seed):
     _check_parity(results, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_three_ranks(seed):
     """Llama (GQA attention, SwiGLU; plain compile) and TinyGPT (sharded first) at N = 3:
@@ -75,6 +77,7 @@ def test_three_ranks(seed):
     _check_parity(results, 3)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_default_backend_compiles_one_frame_per_rank_program(seed):
     """Llama in float32 through `rtp_compile.backend()` with every default: each rank program
@@ -107,6 +110,7 @@ def test_default_backend_compiles_one_frame_per_rank_program(seed):
         assert r["bound_bytes"] == 0, f"rank {rank}: rank modules hold {r['bound_bytes']} B"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_graph_breaks_batch_sizes_and_no_grad(seed):
     """A forced graph break in each of two identical layers, an embedding tied to the head
@@ -196,6 +200,7 @@ def _global_rel(a: dict, b: dict) -> float:
     return (diff / sum(float(b[n].double().pow(2).sum()) for n in b)) ** 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mixed_precision_through_the_backend_is_fsdp2s(seed):
     """A model sharded with FSDP2's bfloat16 policy (`rtp_compile.shard(model,

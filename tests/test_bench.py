@@ -12,6 +12,7 @@ from rtp_compile.apps.bench_speed import KINDS, PRESETS, run
 from rtp_compile.apps.models import TinyGPT
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bench_smoke_run_measures_every_kind(tmp_path):
     rows = run(world_sizes=(2,), preset="tiny", rounds=1, steps=1, out=str(tmp_path))

@@ -33,6 +33,7 @@ def expected_messages(prog) -> int:
     return 3 * (n - 1) * (len(prog.ctx.buckets) + len(units)) + 2 * (n - 1) * small
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_buckets_train_like_ddp_and_send_one_message_per_step(world_size, seed):

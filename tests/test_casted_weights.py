@@ -117,6 +117,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_casted_norms_train_like_ddp(world_size, seed):

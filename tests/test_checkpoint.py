@@ -32,6 +32,7 @@ def straight_run(tmp_path_factory):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("die", [("backward", 5), ("save", 4)])
 def test_a_killed_run_resumes_bitwise_from_its_last_checkpoint(die, straight_run, tmp_path):
@@ -91,6 +92,7 @@ def _assert_same(loaded: dict, saved: dict, where) -> None:
             assert torch.equal(torch.as_tensor(got), torch.as_tensor(want)), (where, name)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_a_checkpoint_saved_by_4_ranks_loads_exactly_into_fewer(world_size, saved_by_4):
@@ -112,6 +114,7 @@ def test_buffers_and_conv_kernels_reshard_too(tmp_path, seed):
         _assert_same(loaded, saved[0], rank)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_2x2_mesh_saves_once_per_ring_and_loads_into_3_ranks(tmp_path, seed):
     # replicas hold the same shards: only the first replica's ring (global ranks 0 and 1)
@@ -128,6 +131,7 @@ def test_a_2x2_mesh_saves_once_per_ring_and_loads_into_3_ranks(tmp_path, seed):
         _assert_same(loaded, saved[0], rank)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_model_whose_hooks_split_a_packed_qkv_saves_and_loads_its_own_keys(tmp_path, seed):
     # NeoX keeps one wqkv and its state_dict speaks wq / wk / wv (state-dict hooks): the
@@ -149,6 +153,7 @@ def test_a_model_whose_hooks_split_a_packed_qkv_saves_and_loads_its_own_keys(tmp
         _assert_same(loaded, saved[0], rank)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_resharded_steps_equal_ddp_continuing_from_the_torch_save_file(world_size, saved_by_4):

@@ -49,6 +49,7 @@ RATIO_LINE = re.compile(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_command_trains_on_the_text_and_writes_a_sample():
     proc = _cli("demo", "--steps", "20")
@@ -81,6 +82,7 @@ def float64_demo():
     return seed, run_demo(world_size=2, steps=20, seed=seed, dtype=torch.float64, progress=False)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_in_float64_matches_ddp_to_rounding_and_learns_the_text(float64_demo):
     _, result = float64_demo
@@ -102,6 +104,7 @@ def test_demo_in_float64_matches_ddp_to_rounding_and_learns_the_text(float64_dem
     assert set(sample) <= set(ALPHABET)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_demo_stopped_and_resumed_from_its_checkpoint_trains_as_if_never_stopped(
     float64_demo, tmp_path
@@ -136,6 +139,7 @@ def test_the_demo_stopped_and_resumed_from_its_checkpoint_trains_as_if_never_sto
     assert resumed["sample"] == straight["sample"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_inspect_prints_plan_report_and_rank_code():
     proc = _cli("inspect", "rtp_compile.apps.models:TinyGPT", "--world-size", "2", "--rank", "1")
@@ -147,6 +151,7 @@ def test_inspect_prints_plan_report_and_rank_code():
     assert "JobCheck(rank 1 of 2" in out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_inspect_unknown_module_exits_2_naming_it():
     proc = _cli("inspect", "nosuch:thing", "--world-size", "2")
@@ -155,6 +160,7 @@ def test_inspect_unknown_module_exits_2_naming_it():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_inspect_factory_not_returning_a_module_exits_2():
     proc = _cli("inspect", "rtp_compile.apps.models:GPTConfig", "--world-size", "2")

@@ -13,6 +13,7 @@ F64 = 1e-9
 F32 = 1e-5  # a few ulp of the largest element (measured: up to 4e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_rank_module_compiles_whole_with_aot_eager(seed):
     results = rtp_compile.launch(aot_eager_models, 2, args=(seed,), timeout=380)
@@ -29,6 +30,7 @@ def test_rank_module_compiles_whole_with_aot_eager(seed):
                 assert r[what] <= F64, f"rank {rank} {name}: {what} rel. error {r[what]:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_rank_module_compiles_whole_with_inductor(seed):
     for rank, r in enumerate(rtp_compile.launch(inductor_gpt, 2, args=(seed,), timeout=380)):
@@ -42,6 +44,7 @@ def test_rank_module_compiles_whole_with_inductor(seed):
             assert r[what] <= tol, f"rank {rank}: {what} rel. error {r[what]:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rank_modules_of_one_process_compile_without_recompiles(seed):
     (frames,) = rtp_compile.launch(many_modules, 1, args=(seed, 10), timeout=280)

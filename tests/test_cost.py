@@ -71,6 +71,7 @@ def predicted_and_measured(rank: int, world_size: int, seed: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_predictions_match_memtracker(world_size, seed):
@@ -101,6 +102,7 @@ def test_predictions_match_memtracker(world_size, seed):
             )
 
 
+@pytest.mark.slow
 def test_expressions_are_the_model_at_every_world_size():
     """One plan's expressions, evaluated at N, give what a program built for N predicts;
     they are in N and A only, and the table shows all three kinds side by side."""
@@ -131,6 +133,7 @@ def test_cost_names_what_it_cannot_size():
         prog.cost(BATCH)  # token ids need a sequence length
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_llama_7b_is_planned_on_the_meta_device_within_4_gib():
     pytest.importorskip("transformers")

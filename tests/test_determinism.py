@@ -11,6 +11,7 @@ import rtp_compile
 MODELS = ["gpt", "conv"]  # a tied head and buckets; BatchNorm buffers (2 steps each)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_runs_are_bitwise_equal(seed):
     runs = [

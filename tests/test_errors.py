@@ -118,6 +118,7 @@ def test_module_of_another_rank_fails_with_a_clear_error():
         rtp_compile.launch(run_program_of, 2, args=(2, lambda rank: 0), timeout=30)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_stalled_rank_makes_the_others_fail_within_the_group_timeout():
     start = time.monotonic()
@@ -167,6 +168,7 @@ def test_a_backward_that_raises_leaves_gradients_as_they_were(where, seed):
         assert r["param"] <= 1e-9, (rank, r)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("where", ["forward", "backward", "loss"])
 def test_a_peer_that_raises_alone_leaves_state_intact_and_the_job_trains_on(where, seed):
@@ -192,6 +194,7 @@ def test_a_peer_that_raises_alone_leaves_state_intact_and_the_job_trains_on(wher
             assert r["used"] == [0, 2, 3], (rank, r)  # the next step trained
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_peer_that_raises_and_leaves_makes_the_next_step_fail_clearly():
     # rank 1 raises alone, then stops training (alive, not in the ring): the others' next step

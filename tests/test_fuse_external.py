@@ -204,6 +204,7 @@ def _attention(prog) -> tuple[list[str], dict[str, str]]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
     ["llama_cast", "llama_float", "llama_gemma", "cached", "cached_unbind", "complex", "pairs"],
@@ -223,6 +224,7 @@ def test_attention_fuses_through_rotary_gqa_and_shared_tables(name):
     assert "attention heads of 3 projection(s)" in prog.report()
 
 
+@pytest.mark.slow
 def test_attention_stays_unfused_where_it_would_not_be_exact():
     """k / v returned as a KV cache (a shard holds its heads' slice only), a packed qkv, the
     first layer's tables made from q sizes at fx level (not known to be the input's), and 2
@@ -274,6 +276,7 @@ def fused_parity(rank: int, world_size: int, seed: int, steps: int = 2) -> dict:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fused_attention_matches_unsharded_and_ddp(world_size, seed):

@@ -130,6 +130,7 @@ def test_pass_log_as_a_table(prog):
     assert "->" in schedule and "more" in schedule
 
 
+@pytest.mark.slow
 def test_inspect_draws_with_draw(tmp_path, capsys):
     out = tmp_path / "tiny.svg"
     assert (

@@ -158,6 +158,7 @@ _ONLY_FULL = pytest.mark.skip(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 100)
 @pytest.mark.parametrize(
     "size,feature,family",
@@ -183,6 +184,7 @@ def test_cell(matrix, size, feature, family):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_ci_cells(seed, tmp_path):
     """The cells of CI_CELLS at N = 2 in one launch, as the full matrix runs them."""

@@ -144,6 +144,7 @@ def mesh_and_buffers(rank: int, world_size: int, seed: int) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_2x2_mesh_equals_ddp_over_all_ranks(seed):
     """Gradients and AdamW steps equal DDP's over the 4 ranks; BatchNorm statistics too (every

@@ -161,6 +161,7 @@ def write_checkpoints(kind: str, seed: int, tmp_path) -> tuple[str, str]:
     return pt, st
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("kind", KINDS)

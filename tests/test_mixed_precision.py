@@ -153,6 +153,7 @@ def _ring_checks(bf16: dict, fp32: dict) -> None:
     assert kinds == {"gradient", "weight"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_training_in_bfloat16_matches_fsdp2_with_the_same_policy(world_size, seed):
@@ -275,6 +276,7 @@ def test_a_policy_that_is_not_fsdp2s_is_refused():
         rtp_compile.transform(MLP(), 1, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name", ["gpt2", "llama", "bert", "opt", "neox", "qwen2", "t5", "torch_encoder"]
 )

@@ -63,6 +63,7 @@ def test_notebook_is_saved_with_its_outputs_and_a_figure(path: pathlib.Path):
     assert images, f"{path.name} shows no figure"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
 def test_notebook_runs(path: pathlib.Path):

@@ -10,6 +10,7 @@ import rtp_compile
 TOL = 1e-9
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [1, 3, 4])
 def test_clip_grad_norm_is_global_like_ddps(world_size, seed):
@@ -38,6 +39,7 @@ def test_micro_batches_accumulate_like_ddp(seed):
         assert r["grad"] <= TOL and r["param"] <= TOL and r["grads_kept"], (rank, r)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size,capture,bucket_bytes", [(2, "fx", None), (3, "export", 0)])
 def test_activation_checkpoints_recompute_by_rotation_like_ddp(

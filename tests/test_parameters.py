@@ -19,6 +19,7 @@ def assert_exactly_the_shards(model: torch.nn.Module, prog, rank: int):
         assert tuple(p.shape) == tuple(prog.plan.params[name].shard_shape), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("name", list(ZOO))
 def test_rank_parameters_are_the_shards(name, world_size):
@@ -41,6 +42,7 @@ def _live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "gpt2"])
 def test_a_rank_module_does_not_keep_the_users_model(name):
     """`prog = transform(model, N); gm = prog.module(rank); del model, prog` frees the full

@@ -13,6 +13,7 @@ MODELS = ["mlp", "gpt", "conv", "norule", "shared", "tiedbias", "attention"]
 TOL = 1e-9
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_parity_with_unsharded_model_and_ddp(world_size, seed):

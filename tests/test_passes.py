@@ -469,6 +469,7 @@ def _fused(plan):
     return {u.name: u.fusion for u in plan.units if u.kind == "fused"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("capture", ["fx", "export"])
 def test_attention_heads_fuse_through_the_output_projection(world_size, capture):

@@ -83,6 +83,7 @@ def test_required_or_unknown_passes_cannot_be_disabled():
         rtp_compile.transform(build("mlp", 0), 2, disable=["fuse"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_each_optional_pass_disabled_in_turn_keeps_parity(seed):
     cases = [(name, "fx", p) for p in OPTIONAL for name in ("mlp", "gpt", "conv")] + [

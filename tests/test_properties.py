@@ -39,6 +39,7 @@ FLOAT32_TOL = 1e-6  # what a float32 norm inside the model leaves of float64's a
 CASTING_NORMS = ("cast", "float", "gemma")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 @given(spec=model_specs(), world_size=st.integers(1, 4), seed=st.integers(0, 10**6))
 @example(

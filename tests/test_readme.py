@@ -10,6 +10,7 @@ import pytest
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_start_runs(tmp_path, monkeypatch):
     block = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)

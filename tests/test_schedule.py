@@ -25,6 +25,7 @@ def unit_events(gm):
     return events
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket_bytes", [0, None])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("model", ["mlp", "gpt", "conv"])

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrun_standalone_job(seed, tmp_path):
     script = pathlib.Path(__file__).with_name("torchrun_job.py")

@@ -31,6 +31,7 @@ def test_gradients_accumulate_across_backward_calls_like_ddp(reduction, seed):
         assert r["grad"] <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_full_state_dict_roundtrip(seed, tmp_path):
     results = rtp_compile.launch(

@@ -25,6 +25,7 @@ FLOAT32_NORMS = ["llama", "mixtral"]
 ATTENTION_FUSED = {"llama": 2, "mixtral": 1, "bert": 2, "vit": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_real_models_match_unsharded_and_ddp(world_size, seed):
@@ -52,6 +53,7 @@ def test_real_models_match_unsharded_and_ddp(world_size, seed):
             assert got == expected, f"{name}: output structure {got}, model gives {expected}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_an_exported_program_travels_to_the_ranks(seed):
     # README's local pattern with a program torch.export captured: launch pickles it as its
