@@ -24,6 +24,11 @@ def _on_target(value, device: torch.device, is_device_arg: bool = False):
     return value
 
 
+def _retarget(device: torch.device, key: str):
+    """What `map_aggregate` applies to keyword argument `key`'s values."""
+    return lambda a: _on_target(a, device, key == "device")
+
+
 def retarget_meta(gm: fx.GraphModule, device: torch.device) -> None:
     """A graph captured from a meta model names the meta device where it creates or checks
     tensors (`arange(..., device=meta)`, `.to(meta)`): point
@@ -35,8 +40,7 @@ def retarget_meta(gm: fx.GraphModule, device: torch.device) -> None:
         for node in graph.nodes:
             args = fx.node.map_aggregate(node.args, lambda a: _on_target(a, device))
             kwargs = {
-                k: fx.node.map_aggregate(v, lambda a, k=k: _on_target(a, device, k == "device"))
-                for k, v in node.kwargs.items()
+                k: fx.node.map_aggregate(v, _retarget(device, k)) for k, v in node.kwargs.items()
             }
             if args != node.args or kwargs != node.kwargs:
                 node.args, node.kwargs, changed = args, kwargs, True

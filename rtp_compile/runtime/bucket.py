@@ -33,9 +33,9 @@ class BucketState:
 
     def __init__(self, runtime: BucketRuntime, own: list[torch.Tensor]):
         self.runtime, self.master = runtime, own
-        self.incoming: dict[int, torch.Tensor] = {}
+        self.incoming: dict[int, int] = {}  # backward step -> the hop bringing its weights
         self.fetched: dict[int, list[torch.Tensor]] = {}
-        self.rows: list[torch.Tensor] | None = None
+        self.rows: list[torch.Tensor | None] | None = None
         self.done: set[str] = set()
 
     @functools.cached_property
@@ -73,7 +73,9 @@ class BucketState:
             dtype, total, _ = packing.flat_layout(rt.grad_specs)
             self.rows = [self.master[0].new_zeros(total, dtype=dtype) for _ in range(rt.world_size)]
         at = rt.slices[unit]
-        views = packing.unpack(self.rows[shard], rt.grad_specs)[at]
+        row = self.rows[shard]
+        assert row is not None, "a gradient row read after it was sent"
+        views = packing.unpack(row, rt.grad_specs)[at]
         return [
             real_part(v, lay.dim or 0, lay.slot(shard)) for v, lay in zip(views, rt.layouts[at])
         ]
@@ -95,6 +97,7 @@ class BucketState:
             return None
         n, rank = rt.world_size, rt.rank
         acc = rows[backward_shard(rank, 0, n)]
+        assert acc is not None
         for j in range(1, n):
             incoming = ring.shift_start(
                 [acc],
@@ -105,7 +108,9 @@ class BucketState:
                 pooled=False,
             )
             rows[backward_shard(rank, j - 1, n)] = None  # sent: nothing else reads it
-            acc = ring.wait(incoming).add_(rows[backward_shard(rank, j, n)])
+            row = rows[backward_shard(rank, j, n)]
+            assert row is not None
+            acc = ring.wait(incoming).add_(row)
         if rt.grad_scale != 1:
             acc.mul_(rt.grad_scale)
         # each gradient its own tensor: autograd keeps some of a message's views as .grad and

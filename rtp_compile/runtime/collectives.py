@@ -23,7 +23,7 @@ class GradientRing:
         self.layouts, self.group_name, self.where = layouts, group_name, where
         self.like, self.dtype = like, dtype
         self.acc: list[torch.Tensor] | None = None
-        self.incoming: list[torch.Tensor] | None = None
+        self.incoming: int | None = None  # the hop bringing the next accumulator
 
     def receive(self) -> None:
         specs = [(lay.shard_shape, self.dtype) for lay in self.layouts]
@@ -34,11 +34,13 @@ class GradientRing:
             self.acc, self.incoming = packing.unpack(ring.wait(self.incoming), specs), None
 
     def real_parts(self, shard: int) -> list[torch.Tensor]:
+        assert self.acc is not None, "no accumulator received"
         return [
             real_part(a, lay.dim or 0, lay.slot(shard)) for a, lay in zip(self.acc, self.layouts)
         ]
 
     def pass_on(self, step: int, tag: int) -> None:
+        assert self.acc is not None, "no accumulator to pass on"
         self.incoming = ring.shift_start(
             self.acc, self.group_name, -1, tag, f"{self.where}: gradient hop {step}", pooled=False
         )
@@ -48,6 +50,7 @@ class GradientRing:
         """The own shards' gradients, scaled, in the shards' dtype, each a tensor of its own:
         the accumulators are views of one message, and a view autograd keeps as `.grad` would
         hold the whole message alive (as `BucketState.reduce_scatter` copies too)."""
+        assert self.acc is not None, "no accumulator received"
         return [torch.mul(a, scale).to(lay.dtype) for a, lay in zip(self.acc, self.layouts)]
 
 

@@ -28,10 +28,11 @@ def install_failure_handling(
     hooks that end a failed forward cleanly."""
     gm.register_forward_hook(_forward_returned)
     gm.register_forward_hook(_finish_forward, always_call=True)
-    gm.rtp_grads = GradTransaction(replicas, group_name)
+    transaction = GradTransaction(replicas, group_name)
+    gm.rtp_grads = transaction  # type: ignore[assignment]  # nn.Module's stubs type attributes as Tensor | Module
     for module in gm.modules():
         if isinstance(module, Keyed):
-            module.transaction = gm.rtp_grads
+            module.transaction = transaction
     gm.register_forward_pre_hook(_enter_grad_transaction)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ def resolve_group(group_name: str):
         )
     if group_name == "":
         return dist.group.WORLD
-    return dist.distributed_c10d._resolve_process_group(group_name)
+    return dist.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]  # GroupName: a NewType of str
 
 
 def group_timeout(group) -> datetime.timedelta:
@@ -59,7 +60,7 @@ class Peers:
     dst: int  # global rank of (r + shift) in the group
     src: int  # global rank of (r - shift)
     timeout: datetime.timedelta
-    comm: object = None  # the ring's communicator once re-formed (None: the group's)
+    comm: Any = None  # the ring's communicator once re-formed (None: the group's)
     dst_in_group: int = 0
     src_in_group: int = 0
 
@@ -102,7 +103,7 @@ class RingState:
 
     epoch: int = 0
     broken: str | None = None
-    comm: object = None
+    comm: Any = None  # a gloo ProcessGroup of its own once re-formed
     abandoned: list = field(default_factory=list)
 
 

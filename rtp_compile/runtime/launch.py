@@ -190,7 +190,7 @@ def _run_rank(
         torch.set_num_threads(int(os.environ.get("RTP_NUM_THREADS", "1")))
         fn, args = cloudpickle.loads(payload)
         _init_process_group(rank, world_size, backend, timeout)
-        report = (rank, True, _to_bytes(fn(rank, world_size, *args)))
+        report: tuple[int, bool, object] = (rank, True, _to_bytes(fn(rank, world_size, *args)))
     except BaseException as exc:
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         report = (rank, False, (summary, traceback.format_exc()))

@@ -101,7 +101,7 @@ def pack(tensors: list[torch.Tensor], pooled: bool = False) -> torch.Tensor:
         return (
             tensors[0]
             .new_empty(0, dtype=dtype)
-            .set_(storage, (start - storage.data_ptr()) // item, (total,))
+            .set_(storage, (start - storage.data_ptr()) // item, (total,))  # type: ignore[call-overload]  # stubs lack (storage, offset, size)
         )
     flat = (
         pool.take(total, dtype, tensors[0]) if pooled else tensors[0].new_empty(total, dtype=dtype)

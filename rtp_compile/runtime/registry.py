@@ -16,6 +16,7 @@ import contextlib
 import functools
 import itertools
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ class Keyed(nn.Module):
     `transaction` (set by codegen, not copied: a copy belongs to no rank module's forward) is
     the gradient transaction of the rank module it runs in."""
 
-    transaction = None
+    transaction: Any = None  # a runtime.transaction.GradTransaction once codegen sets it
 
     def register(self, name: str) -> None:
         self.rtp_key = f"{name}#{next(_serial)}"
@@ -73,8 +74,9 @@ def distinct(tensors: list[torch.Tensor], inputs=()) -> list[torch.Tensor]:
     return out
 
 
-def lookup(key: str) -> nn.Module:
-    """The live runtime module registered under `key`."""
+def lookup(key: str) -> Any:
+    """The live runtime module registered under `key` (typed `Any`: whichever `Keyed` runtime
+    registered it, each op knows which)."""
     module = _live.get(key)
     if module is None:
         raise RuntimeError(
@@ -119,7 +121,7 @@ def graph_op(name: str, mutates_args=()):
                 return overload(*args)
             return fn(*args)
 
-        call.op = op
+        call.op = op  # type: ignore[attr-defined]  # the op rides on its wrapper
         return call
 
     return wrap
@@ -129,11 +131,16 @@ def graph_op(name: str, mutates_args=()):
 _TENSOR, _INT, _BOOL, _FLOAT, _DTYPE, _NONE = range(6)
 
 
-def encode(values) -> tuple[list[torch.Tensor], list[int], list[float], list[int]]:
+def encode(
+    values,
+) -> tuple[list[torch.Tensor], list[int | torch.SymInt], list[float], list[int]]:
     """`values` (tensors, ints or SymInts, bools, floats, dtypes, None) as typed op arguments:
     the tensors (a dtype as an empty tensor of it), the ints and bools, the floats, each in
     order, and every value's kind."""
-    tensors, ints, floats, kinds = [], [], [], []
+    tensors: list[torch.Tensor] = []
+    ints: list[int | torch.SymInt] = []
+    floats: list[float] = []
+    kinds: list[int] = []
     for v in values:
         if isinstance(v, torch.Tensor):
             kinds.append(_TENSOR)

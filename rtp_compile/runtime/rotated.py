@@ -14,6 +14,8 @@ the module and runs it eagerly (the same holds for `gathered` and `small`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rtp_compile.core.ir import Action
@@ -76,7 +78,7 @@ class UnitRuntime(Keyed):
     (weights re-fetched from rank+1, gradient accumulators passed to rank-1; in a bucket, both
     through the bucket's state, `runtime.bucket`); subclasses say what one step computes."""
 
-    bucket = None  # the BucketRuntime of the unit's bucket, if it is in one
+    bucket: Any = None  # the BucketRuntime of the unit's bucket, if it is in one
 
     def __init__(
         self,
@@ -139,6 +141,10 @@ class UnitRuntime(Keyed):
         n, where = self.world_size, f"{self.unit_name} backward"
         dx = torch.zeros_like(x) if need_dx else None
         own = self.precision.to_compute(own)  # cast once: the weights rotate in it
+        fetch: _BucketFetch | _UnitFetch
+        # a GradientRing, or a bucket's share of one (real_parts and result only: a bucket's
+        # units have no receive or pass events, the bucket's runtime moves the accumulators)
+        grads: Any
         if bucket is not None:
             fetch = _BucketFetch(bucket, self.unit_name)
             grads = _BucketGrads(bucket, self.unit_name) if need_dw else None
@@ -149,7 +155,7 @@ class UnitRuntime(Keyed):
                 if need_dw
                 else None
             )
-        scratches = {}
+        scratches: dict[int, dict] = {}
         for event in self.schedule.backward:
             j, action = event.step, event.action
             shards = None  # a step's views go when it is done: the pool reuses their buffer
@@ -203,7 +209,8 @@ class _UnitFetch:
 
     def __init__(self, own, group_name, where):
         self.own, self.group_name, self.where = own, group_name, where
-        self.current, self.incoming = own, None
+        self.current = own
+        self.incoming: int | None = None
 
     def start(self, step, tag):
         self.incoming = ring.shift_start(
@@ -211,6 +218,7 @@ class _UnitFetch:
         )
 
     def wait(self, step):
+        assert self.incoming is not None, "waited on a hop never started"
         self.current = packing.unpack(ring.wait(self.incoming), packing.specs_of(self.own))
 
     def held(self, step):
