@@ -32,7 +32,7 @@ class BucketState:
     rows (shard -> flat message of every unit's gradient of that shard)."""
 
     def __init__(self, runtime: BucketRuntime, own: list[torch.Tensor]):
-        self.runtime, self.master = runtime, own
+        self.runtime, self.stored = runtime, own
         self.incoming: dict[int, int] = {}  # backward step -> the hop bringing its weights
         self.fetched: dict[int, list[torch.Tensor]] = {}
         self.rows: list[torch.Tensor | None] | None = None
@@ -42,7 +42,7 @@ class BucketState:
     def own(self) -> list[torch.Tensor]:
         """The own shards in the compute dtype (cast once, by backward: the weights rotate in
         it)."""
-        return self.runtime.precision.to_compute(self.master)
+        return self.runtime.precision.to_compute(self.stored)
 
     def fetch_start(self, step: int, tag: int) -> None:
         """Start the hop of backward step `step`'s weights (once for the whole bucket)."""
@@ -71,7 +71,7 @@ class BucketState:
         rt = self.runtime
         if self.rows is None:
             dtype, total, _ = packing.flat_layout(rt.grad_specs)
-            self.rows = [self.master[0].new_zeros(total, dtype=dtype) for _ in range(rt.world_size)]
+            self.rows = [self.stored[0].new_zeros(total, dtype=dtype) for _ in range(rt.world_size)]
         at = rt.slices[unit]
         row = self.rows[shard]
         assert row is not None, "a gradient row read after it was sent"

@@ -1,8 +1,9 @@
 """Mixed precision as FSDP2's `MixedPrecisionPolicy` defines it, resolved per parameter dtype.
 
-Shards stay in the model's dtype (the masters the optimizer steps); a floating shard computes
-and rotates in `param_dtype`, its gradient accumulators travel and sum in `reduce_dtype`
-(default: the compute dtype), and the finished gradient lands in `.grad` in the master dtype.
+Shards stay in the model's dtype (their stored dtype, what the optimizer steps); a floating
+shard computes and rotates in `param_dtype`, its gradient accumulators travel and sum in
+`reduce_dtype` (default: the compute dtype), and the finished gradient lands in `.grad` in the
+stored dtype.
 """
 
 from __future__ import annotations
