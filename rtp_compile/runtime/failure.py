@@ -29,7 +29,8 @@ def install_failure_handling(
     gm.register_forward_hook(_forward_returned)
     gm.register_forward_hook(_finish_forward, always_call=True)
     transaction = GradTransaction(replicas, group_name)
-    gm.rtp_grads = transaction  # type: ignore[assignment]  # nn.Module's stubs type attributes as Tensor | Module
+    # nn.Module's stubs type a set attribute as Tensor | Module; any value is allowed at run time
+    gm.rtp_grads = transaction  # type: ignore[assignment]
     for module in gm.modules():
         if isinstance(module, Keyed):
             module.transaction = transaction

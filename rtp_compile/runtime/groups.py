@@ -34,7 +34,8 @@ def resolve_group(group_name: str):
         )
     if group_name == "":
         return dist.group.WORLD
-    return dist.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]  # GroupName: a NewType of str
+    # the private function's stub wants a GroupName, a NewType of the str it is
+    return dist.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]
 
 
 def group_timeout(group) -> datetime.timedelta:

@@ -98,10 +98,15 @@ def pack(tensors: list[torch.Tensor], pooled: bool = False) -> torch.Tensor:
         )
     )
     if in_place:
+        # torch's stubs require set_'s stride once an offset and size are given; it is optional
         return (
             tensors[0]
             .new_empty(0, dtype=dtype)
-            .set_(storage, (start - storage.data_ptr()) // item, (total,))  # type: ignore[call-overload]  # stubs lack (storage, offset, size)
+            .set_(  # type: ignore[call-overload]
+                storage,
+                (start - storage.data_ptr()) // item,
+                (total,),
+            )
         )
     flat = (
         pool.take(total, dtype, tensors[0]) if pooled else tensors[0].new_empty(total, dtype=dtype)
