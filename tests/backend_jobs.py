@@ -130,8 +130,10 @@ def train_compiled_next_to_ddp(
     reference, ddp = copy.deepcopy(model), DDP(copy.deepcopy(model))
     if contract == "a":
         rtp_compile.shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=1e-6)
-    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1, eps=1e-6)
+    # eps=1e-3, as in compile_jobs: Adam's first update has slope lr/eps at g = 0, and 1e-6
+    # would make float32 rounding in a near-zero gradient a parameter difference of ~0.1*lr
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=1e-3)
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1, eps=1e-3)
     compiled = torch.compile(model, backend=backend)
     errors = {"output": 0.0, "loss": 0.0, "grad": 0.0, "param": 0.0}
     graphs = []

@@ -88,7 +88,11 @@ def compiled_next_to_eager(
         aot_eager_watching(received) if backend == "aot_eager" else backend
     )
     compiled = torch.compile(plain, backend=counter, fullgraph=True)
-    opts = [torch.optim.AdamW(m.parameters(), lr=LR, eps=1e-6) for m in (eager, plain)]
+    # eps=1e-3: Adam's first update is lr*g/(|g|+eps), whose slope at g = 0 is lr/eps. With
+    # eps=1e-6 a float32 rounding difference (1e-7) in a near-zero gradient of the tied
+    # embedding became a 2e-3 parameter difference, and outputs after the step 1.2e-2 apart
+    # (seed 384218). With 1e-3 the slope is 10: a rounding difference stays rounding.
+    opts = [torch.optim.AdamW(m.parameters(), lr=LR, eps=1e-3) for m in (eager, plain)]
     errors = {
         "output": 0.0,
         "grad": 0.0,
