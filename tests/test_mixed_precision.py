@@ -160,10 +160,12 @@ def test_training_in_bfloat16_matches_fsdp2_with_the_same_policy(world_size, see
     """On each runtime path, the first step's messages as the runtime sends them
     (`_ring_checks`); then per rank the losses of 4 AdamW steps (largest relative gap over the
     steps): RTP-bf16 against FSDP2-bf16 held to 4x FSDP2-bf16's own gap to float32 (FSDP2
-    without a policy), with a floor of 2^-10 for a seed where that gap happens to be small.
+    without a policy), with a floor of 2^-8 for a seed where that gap happens to be small.
     Measured on three seeds, per rank: FSDP2-bf16 vs float32 1.2e-4 to 7.3e-4; RTP-bf16 vs
     FSDP2-bf16 3e-5 to 4.8e-4 at N = 2, 1.0e-4 to 1.25e-3 at N = 3 (up to 3.5x the former on
-    a rank: a row split sums N bfloat16 partial products where FSDP2's matmul rounds once)."""
+    a rank: a row split sums N bfloat16 partial products where FSDP2's matmul rounds once).
+    A floor of 2^-10 failed 1 seed in 25 at N = 3: over 50 seeds RTP-bf16's gap reached
+    1.34e-3 while FSDP2-bf16's own was as low as 9.5e-5."""
     results = rtp_compile.launch(mixed_precision_job, world_size, args=(seed,), timeout=240)
     for rank, r in enumerate(results):
         fp32, bf16 = r["fsdp2-fp32"][0], r["fsdp2-bf16"][0]
@@ -180,7 +182,7 @@ def test_training_in_bfloat16_matches_fsdp2_with_the_same_policy(world_size, see
         for kind in RTP_OPTIONS:
             _ring_checks(r[kind]["bf16"], r[kind]["fp32"])
             assert r[kind]["dtype"] == r["fsdp2-bf16"][1] == torch.bfloat16  # compute dtype
-            assert _gap(r[kind]["losses"], bf16) <= max(4 * reference, 2**-10), (
+            assert _gap(r[kind]["losses"], bf16) <= max(4 * reference, 2**-8), (
                 kind,
                 r[kind]["losses"],
                 bf16,
