@@ -8,6 +8,7 @@ import pytest
 from jobs import tensor_parallel_matches
 
 import rtp_compile
+from rtp_compile.apps import bench_overhead as overhead
 from rtp_compile.apps.bench_speed import KINDS, PRESETS, run
 from rtp_compile.apps.models import TinyGPT
 
@@ -19,6 +20,9 @@ def test_bench_smoke_run_measures_every_kind(tmp_path):
     assert [r["kind"] for r in rows] == list(KINDS)
     by_kind = {r["kind"]: r for r in rows}
     assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_mb"] > 0 for r in rows)
+    _, batch, seq_len = PRESETS["tiny"]
+    for r in rows:  # like with like: every kind the same global batch (TP's ranks share it)
+        assert r["tokens_per_s"] * r["step_ms"] / 1e3 == pytest.approx(2 * batch * seq_len)
     model = TinyGPT(PRESETS["tiny"][0]).float()  # as the ranks build it (float32)
     prog = rtp_compile.transform(model, 2)
     plan, buckets = prog.plan, prog.ctx.buckets
@@ -40,6 +44,17 @@ def test_bench_smoke_run_measures_every_kind(tmp_path):
     trace = json.loads((tmp_path / "trace_rtp_N2_rank0.json").read_text())["traceEvents"]
     assert any(e.get("name", "").startswith("rtp.wait") for e in trace)
     assert (tmp_path / "speed.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_overhead_benchmark_measures_eager_and_compiled():
+    rows = overhead.run(world_sizes=(2,), rounds=1, steps=1)
+    assert [(r["mode"], r["N"]) for r in rows] == [("eager", 2), ("compiled", 2)]
+    # a rank does the unsharded model's work and more: its step is never faster than a
+    # tenth of it, and both are real times
+    assert all(r["unsharded_ms"] > 0 and r["rank_ms"] > 0.1 * r["unsharded_ms"] for r in rows)
+    assert all(r["ratio"] == pytest.approx(r["rank_ms"] / r["unsharded_ms"]) for r in rows)
 
 
 @pytest.mark.timeout(300)

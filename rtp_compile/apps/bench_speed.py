@@ -10,8 +10,10 @@ median of the per-round ratios. Then, per kind, one step under `torch.profiler` 
 trace of rank 0 is saved; it opens in Perfetto) gives the messages and bytes each rank sends
 (from the trace's collectives and point-to-point ops, by the ring algorithms' volumes; RTP's
 from its own counters) and RTP's exposed communication (time in its labelled `rtp.wait` ranges
-over the step); one step under MemTracker gives the peak memory per rank. DDP, FSDP2 and RTP
-train on a batch per rank; tensor parallel ranks share one batch, so tokens/s is the fair rate.
+over the step); one step under MemTracker gives the peak memory per rank. Every kind trains on
+the same global batch per step, N batches of the preset's size: DDP, FSDP2 and RTP one per rank,
+while tensor parallel ranks share all N (each rank computes its heads of the whole global
+batch). The plot shows tokens/s and peak memory per rank.
 
     rtp-compile bench [--preset gpt-small|gpt2-124m|tiny] [--world-sizes 2 4] [--rounds 3]
                       [--steps 3] [--out benchmarks/out]      (also: python benchmarks/speed.py)
@@ -163,10 +165,12 @@ def measure(rank: int, world_size: int, setup: Setup) -> dict:
     models = {k: prepare(k, rank, world_size, cfg, device) for k in KINDS}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     gens = {k: torch.Generator().manual_seed(0 if k == "tp" else rank + 1) for k in KINDS}
+    # the same global batch for every kind: tensor parallel ranks share the N batches
+    batches = {k: setup.batch * (world_size if k == "tp" else 1) for k in KINDS}
 
     def step(kind):
         idx = torch.randint(
-            0, cfg.vocab_size, (setup.batch, setup.seq_len + 1), generator=gens[kind]
+            0, cfg.vocab_size, (batches[kind], setup.seq_len + 1), generator=gens[kind]
         ).to(device)
         dist.barrier()
         start = time.perf_counter()
@@ -251,7 +255,7 @@ def run(
             per_rank = [r[kind] for r in ranks]
             step_s = statistics.median(per_rank[0]["all"])
             ratios = [k / d for k, d in zip(per_rank[0]["rounds"], ranks[0]["ddp"]["rounds"])]
-            tokens = setup.batch * setup.seq_len * (1 if kind == "tp" else n)
+            tokens = setup.batch * setup.seq_len * n  # the global batch, every kind
             rows.append(
                 {
                     "N": n,
@@ -267,7 +271,8 @@ def run(
             )
     print(
         f"{preset}: {config.n_layer} layers x {config.n_embd} wide, vocab {config.vocab_size}, "
-        f"{setup.batch} x {setup.seq_len} tokens per batch, AdamW; {rounds} interleaved rounds "
+        f"global batch N x {setup.batch} x {setup.seq_len} tokens per step (tensor parallel: "
+        f"shared by its ranks), AdamW; {rounds} interleaved rounds "
         f"of {steps} steps; {dist.Backend.GLOO if not torch.cuda.is_available() else 'nccl'}"
     )
     print(
@@ -325,9 +330,9 @@ def _plot(rows: list[dict], out: pathlib.Path) -> None:
     for i, kind in enumerate(KINDS):
         mine = [next(r for r in rows if r["N"] == n and r["kind"] == kind) for n in sizes]
         where = [j + i * width for j in range(len(sizes))]
-        axes[0].bar(where, [r["step_ms"] for r in mine], width, label=kind)
+        axes[0].bar(where, [r["tokens_per_s"] for r in mine], width, label=kind)
         axes[1].bar(where, [r["peak_mb"] for r in mine], width, label=kind)
-    for ax, label in zip(axes, ("ms per training step", "peak MB per rank")):
+    for ax, label in zip(axes, ("tokens/s (the same global batch)", "peak MB per rank")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"N={n}" for n in sizes])
         ax.set_ylabel(label)
     axes[0].legend(fontsize=8)

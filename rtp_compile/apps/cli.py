@@ -143,11 +143,22 @@ def _parser() -> argparse.ArgumentParser:
         "category, DDP / FSDP2 / RTP, N = 2 and 4, next to the cost model",
     )
     bench.add_argument(
+        "--overhead",
+        action="store_true",
+        help="instead: the runtime's cost without communication (fake process group): rank "
+        "step / unsharded step, eager and compiled, N = 2, 4, 8 (a 2 x 64 GPT)",
+    )
+    bench.add_argument(
         "--preset",
         default="gpt-small",
         help="model and batch: gpt-small (default), gpt2-124m, tiny",
     )
-    bench.add_argument("--world-sizes", type=_positive_int, nargs="+", default=[2, 4])
+    bench.add_argument(
+        "--world-sizes",
+        type=_positive_int,
+        nargs="+",
+        help="(default 2 4; --overhead: 2 4 8)",
+    )
     bench.add_argument("--rounds", type=_positive_int, default=3, help="interleaved rounds")
     bench.add_argument(
         "--steps", type=_positive_int, default=3, help="timed steps per kind and round"
@@ -264,11 +275,16 @@ def _run_bench(args: argparse.Namespace) -> None:
 
         bench_memory(["--out", args.out])
         return
+    if args.overhead:
+        from rtp_compile.apps.bench_overhead import run as bench_overhead
+
+        bench_overhead(args.world_sizes or [2, 4, 8], args.rounds, args.steps)
+        return
     from rtp_compile.apps.bench_speed import PRESETS, run
 
     if args.preset not in PRESETS:
         raise UsageError(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
-    run(args.world_sizes, args.preset, args.rounds, args.steps, args.out)
+    run(args.world_sizes or [2, 4], args.preset, args.rounds, args.steps, args.out)
 
 
 def load_model(target: str) -> nn.Module:
