@@ -36,6 +36,7 @@ class BucketState:
         self.incoming: dict[int, int] = {}  # backward step -> the hop bringing its weights
         self.fetched: dict[int, list[torch.Tensor]] = {}
         self.rows: list[torch.Tensor | None] | None = None
+        self.row_views: dict[int, list[torch.Tensor]] = {}  # shard -> views of its row
         self.done: set[str] = set()
 
     @functools.cached_property
@@ -73,9 +74,12 @@ class BucketState:
             dtype, total, _ = packing.flat_layout(rt.grad_specs)
             self.rows = [self.stored[0].new_zeros(total, dtype=dtype) for _ in range(rt.world_size)]
         at = rt.slices[unit]
-        row = self.rows[shard]
-        assert row is not None, "a gradient row read after it was sent"
-        views = packing.unpack(row, rt.grad_specs)[at]
+        views = self.row_views.get(shard)
+        if views is None:  # once per row, not per unit
+            row = self.rows[shard]
+            assert row is not None, "a gradient row read after it was sent"
+            views = self.row_views[shard] = packing.unpack(row, rt.grad_specs)
+        views = views[at]
         return [
             real_part(v, lay.dim or 0, lay.slot(shard)) for v, lay in zip(views, rt.layouts[at])
         ]
@@ -92,7 +96,7 @@ class BucketState:
         scale), by N - 1 counter-clockwise hops of one accumulator message; None if no unit
         computed a weight gradient."""
         rt = self.runtime
-        rows, self.rows, self.fetched = self.rows, None, {}
+        rows, self.rows, self.fetched, self.row_views = self.rows, None, {}, {}
         if rows is None:
             return None
         n, rank = rt.world_size, rt.rank

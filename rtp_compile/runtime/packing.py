@@ -4,14 +4,25 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 
-def flat_layout(specs: list[tuple[tuple[int, ...], torch.dtype]]):
+def flat_layout(specs):
     """Where each (shape, dtype) sits in one flat message: (flat dtype, total length, offsets).
     One dtype: a flat tensor of it. Mixed dtypes: bytes, each tensor 16-byte aligned."""
+    key = tuple((tuple(shape), dtype) for shape, dtype in specs)
+    try:
+        return _flat_layout(key)
+    except TypeError:  # a symbolic size is not hashable
+        return _flat_layout.__wrapped__(key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _flat_layout(specs: tuple[tuple[tuple[int, ...], torch.dtype], ...]):
+    """`flat_layout`, computed once per distinct message (a program has a few dozen)."""
     dtypes = {dtype for _, dtype in specs}
     if len(dtypes) == 1:
         sizes = [math.prod(shape) for shape, _ in specs]
@@ -27,8 +38,12 @@ def flat_layout(specs: list[tuple[tuple[int, ...], torch.dtype]]):
 
 def unpack(flat: torch.Tensor, specs) -> list[torch.Tensor]:
     """Views of a flat message shaped and typed like `specs` [(shape, dtype)] (`flat` may be an
-    fx Proxy: everything but the tensor ops is computed from `specs`)."""
-    flat_dtype, _, offsets = flat_layout(specs)
+    fx Proxy: everything but the tensor ops is computed from `specs`); `flat` holds exactly the
+    message (as `flat_layout` sizes it)."""
+    flat_dtype, total, offsets = flat_layout(specs)
+    if all(dtype == flat_dtype for _, dtype in specs):  # one split: k + 1 ops, not 2k
+        parts = flat.split_with_sizes([math.prod(shape) for shape, _ in specs])
+        return [parts[i].view(shape) for i, (shape, _) in enumerate(specs)]  # a Proxy indexes
     views = []
     for (shape, dtype), offset in zip(specs, offsets):
         if flat_dtype == dtype:

@@ -85,18 +85,19 @@ def shift_start(
             if pooled
             else torch.empty_like(outgoing)
         )
-        if ring.comm is None:
+        if ring.comm is not None or ring.direct:
+            comm = ring.group if ring.comm is None else ring.comm
+            works = [
+                comm.send([outgoing], ring.dst_in_group, tag),
+                comm.recv([received], ring.src_in_group, tag),
+            ]
+        else:
             works = dist.batch_isend_irecv(
                 [
                     dist.P2POp(dist.isend, outgoing, ring.dst, ring.group, tag),
                     dist.P2POp(dist.irecv, received, ring.src, ring.group, tag),
                 ]
             )
-        else:
-            works = [
-                ring.comm.send([outgoing], ring.dst_in_group, tag),
-                ring.comm.recv([received], ring.src_in_group, tag),
-            ]
     traffic["hops"] += 1
     traffic["bytes"] += outgoing.numel() * outgoing.element_size()
     hop = next(_handles)
