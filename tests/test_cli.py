@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rtp_compile.apps.corpus import ALPHABET
-from rtp_compile.apps.demo import PROMPT, SAMPLE_CHARS, run_demo
+from rtp_compile.apps.demo import BATCH_SIZE, PROMPT, SAMPLE_CHARS, run_demo
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = ["step", "rtp", "loss", "ddp", "loss", "|diff|"]  # the loss table's header, split
@@ -67,7 +67,9 @@ def test_demo_command_trains_on_the_text_and_writes_a_sample():
     assert "RTP param bytes" in out and "RTP peak step bytes" in out
     assert RATIO_LINE.search(out), out
     assert re.search(
-        r"^tokens/s \(all 2 ranks, 1,024 tokens a step\): rtp [\d,]+, ddp [\d,]+", out, re.M
+        rf"^tokens/s \(all 2 ranks, {2 * BATCH_SIZE * 32:,} tokens a step\): rtp [\d,]+, ddp [\d,]+",
+        out,
+        re.M,
     ), out
     sample = out.split("seed 0):\n", 1)[1]
     assert sample.startswith(PROMPT) and len(sample.rstrip("\n")) >= len(PROMPT) + 250, sample
@@ -98,7 +100,7 @@ def test_demo_in_float64_matches_ddp_to_rounding_and_learns_the_text(float64_dem
         assert result["rtp_param_bytes"][rank] <= 0.55 * result["ddp_param_bytes"][rank]
         assert result["rtp_peak_bytes"][rank] > result["rtp_param_bytes"][rank]
     assert result["rtp_step_s"] > 0 and result["ddp_step_s"] > 0
-    assert result["rtp_tokens_per_s"] == pytest.approx(2 * 16 * 32 / result["rtp_step_s"])
+    assert result["rtp_tokens_per_s"] == pytest.approx(2 * BATCH_SIZE * 32 / result["rtp_step_s"])
     sample = result["sample"]
     assert sample.startswith(PROMPT) and len(sample) == len(PROMPT) + SAMPLE_CHARS
     assert set(sample) <= set(ALPHABET)
