@@ -67,7 +67,8 @@ def test_demo_command_trains_on_the_text_and_writes_a_sample():
     assert "RTP param bytes" in out and "RTP peak step bytes" in out
     assert RATIO_LINE.search(out), out
     assert re.search(
-        rf"^tokens/s \(all 2 ranks, {2 * BATCH_SIZE * 32:,} tokens a step\): rtp [\d,]+, ddp [\d,]+",
+        rf"^tokens/s \(all 2 ranks, {2 * BATCH_SIZE * 32:,} tokens a step\): "
+        r"rtp [\d,]+, ddp [\d,]+",
         out,
         re.M,
     ), out
