@@ -48,17 +48,21 @@ def build(world_size: int, rank: int = 0) -> dict[str, torch.nn.Module]:
     def hop(t: torch.Tensor, ring: list[int]) -> torch.Tensor:
         return funcol.permute_tensor(t.reshape(-1), ring, group).view(t.shape)
 
+    def rotated_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ W.t() from the own row shard w, by N - 1 clockwise hops."""
+        outs: list = [None] * world_size
+        held = w
+        for k in range(world_size):
+            outs[(rank - k) % world_size] = x @ held.t()
+            if k < world_size - 1:
+                held = hop(held, clockwise)
+        return torch.cat(outs, -1)
+
     class RotatedLinear(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, w):
-            outs: list = [None] * world_size
-            held = w
-            for k in range(world_size):
-                outs[(rank - k) % world_size] = x @ held.t()
-                if k < world_size - 1:
-                    held = hop(held, clockwise)
             ctx.save_for_backward(x, w)
-            return torch.cat(outs, -1)
+            return rotated_forward(x, w)
 
         @staticmethod
         def backward(ctx, dy):
@@ -98,16 +102,7 @@ def build(world_size: int, rank: int = 0) -> dict[str, torch.nn.Module]:
 
         def forward(self, x):
             for w in self.ws:
-                if self.traceable:
-                    y = RotatedLinear.apply(x, w)
-                else:
-                    outs: list = [None] * world_size
-                    held = w
-                    for k in range(world_size):
-                        outs[(rank - k) % world_size] = x @ held.t()
-                        if k < world_size - 1:
-                            held = hop(held, clockwise)
-                    y = torch.cat(outs, -1)
+                y = RotatedLinear.apply(x, w) if self.traceable else rotated_forward(x, w)
                 x = torch.nn.functional.gelu(y)
             return x
 
