@@ -80,10 +80,20 @@ def _state(block: nn.Module) -> tuple[dict, dict]:
     return shape, attrs
 
 
-def _same(a, b) -> bool:
-    """Whether two attribute values are the same (tensors: the same object)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return a is b
+def _same(a, b, depth: int = 3) -> bool:
+    """Whether two attribute values are the same: equal, or (containers, modules and plain
+    objects `depth` levels down) made of the same parts; tensors only if the same object."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
+        return False
+    if depth and isinstance(a, nn.Module):
+        (shape_a, attrs_a), (shape_b, attrs_b) = _state(a), _state(b)
+        return shape_a == shape_b and _same(attrs_a, attrs_b, depth - 1)
+    if depth and isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k], depth - 1) for k in a)
+    if depth and isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, depth - 1) for x, y in zip(a, b))
     try:
         return bool(a == b)
     except Exception:  # a value that does not compare: taken as different
