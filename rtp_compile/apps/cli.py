@@ -119,7 +119,8 @@ def _parser() -> argparse.ArgumentParser:
         "targets",
         nargs="+",
         metavar="MODEL",
-        help="a preset (llama-7b, llama-13b, llama-70b) or MODULE:FACTORY, "
+        help="a preset (llama-7b, llama-13b, llama-70b, llama-3.1-8b, llama-3.1-70b, "
+        "llama-3.1-405b) or MODULE:FACTORY, "
         "called under torch.device('meta')",
     )
     plan.add_argument("--world-sizes", type=_positive_int, nargs="+", default=[8, 16, 64])

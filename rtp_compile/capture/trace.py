@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from rtp_compile.capture.repeats import AttributeRead, find_repeat, prefix_of, replicate
 from rtp_compile.core.ir import CHECKPOINT_KEY
 from rtp_compile.core.state_keys import native_state_keys
 
@@ -78,12 +79,14 @@ def capture(
         if example_inputs is None and example_kwargs is None:
             dummy = _fitting_dummy_inputs(model)
             if dummy:
-                gm, level = _export(model, None, dummy, "its dummy_inputs"), "aten"
+                gm, level = _export_blocks_once(model, None, dummy, "its dummy_inputs"), "aten"
             else:
                 gm, level = _trace_fx(model), "function"
         else:
             gm, level = (
-                _export(model, example_inputs, example_kwargs, "the given example inputs"),
+                _export_blocks_once(
+                    model, example_inputs, example_kwargs, "the given example inputs"
+                ),
                 "aten",
             )
     _canonicalise_parameter_reads(gm, aliases)
@@ -282,19 +285,23 @@ def _sizes_of_one_doubled(args: tuple, kwargs: dict) -> tuple[tuple, dict] | Non
     return out if grown else None
 
 
-def _same_outputs(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> bool:
-    """Whether the graph captured from other sizes gives the model's outputs on the example
-    itself (same random state for both; False where a meta tensor leaves nothing to compare)."""
+def _runs(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether the model computes anything on these inputs (no meta tensor among them, its
+    parameters and buffers)."""
     leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    if any(
+    return not any(
         t.is_meta
         for t in (
             *model.parameters(),
             *model.buffers(),
             *[v for v in leaves if isinstance(v, torch.Tensor)],
         )
-    ):
-        return False
+    )
+
+
+def _same_outputs(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict) -> bool:
+    """Whether the graph captured from other sizes gives the model's outputs on the example
+    itself (same random state for both; the model must compute: `_runs`)."""
     with torch.no_grad(), torch.random.fork_rng():
         torch.manual_seed(0)
         expected = torch.utils._pytree.tree_leaves(model(*args, **kwargs))
@@ -313,6 +320,22 @@ def _close(a, b) -> bool:
     return torch.equal(a, b)
 
 
+def _export_blocks_once(model: nn.Module, args, kwargs, source: str) -> fx.GraphModule:
+    """`_export`, a model's alike blocks exported once (`capture.repeats`): its first blocks
+    exported and the last of them copied for the others; the model whole where the blocks
+    are not alike, read what differs between them, or do not come out as copies."""
+    repeat = find_repeat(model)
+    if repeat is not None:
+        try:
+            with prefix_of(model, repeat):
+                gm = _export(model, args, kwargs, source)
+        except (CaptureError, AttributeRead):
+            gm = None
+        if gm is not None and replicate(gm, repeat):
+            return gm
+    return _export(model, args, kwargs, source)
+
+
 def _export(model: nn.Module, args, kwargs, source: str) -> fx.GraphModule:
     from torch.export import export
 
@@ -327,7 +350,9 @@ def _export(model: nn.Module, args, kwargs, source: str) -> fx.GraphModule:
                 f"rtp_compile: {source} do not fit {type(model).__name__}.forward: {err}"
             ) from err
         grown = _sizes_of_one_doubled(args, kwargs)
-        if grown is not None:  # export fixes a size it sees as 1: trace at 2, check at 1
+        # export fixes a size it sees as 1: trace at 2, check at 1 (a meta model cannot be
+        # checked, so it is captured as given)
+        if grown is not None and _runs(model, args, kwargs):
             try:
                 gm = export(model, *grown, strict=False, dynamic_shapes=dynamic).module()
                 if _same_outputs(model, gm, args, kwargs):

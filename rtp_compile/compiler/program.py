@@ -17,7 +17,7 @@ from rtp_compile.compiler.report import report
 from rtp_compile.core.retarget_meta import retarget_meta
 from rtp_compile.cost.model import rtp_cost
 from rtp_compile.cost.profile import profile_of
-from rtp_compile.passes import compile_graph
+from rtp_compile.passes import plan_graph, write_steps
 from rtp_compile.passes.manager.context import Context, Options
 from rtp_compile.passes.plan import Plan
 from rtp_compile.state.program_state import ProgramState, bind_state
@@ -31,17 +31,30 @@ class RTPProgram:
     """One model compiled for `world_size` ranks: `module(rank)` emits a rank's GraphModule.
 
     `ctx` is the compilation (`passes.manager.context.Context`: capture, options, plan, unit
-    bodies and schedules, pass log); `graph_module` the rank-generic program the passes made."""
+    bodies and schedules, pass log); `graph_module` the rank-generic program the passes made.
+    The plan, the report and the cost read only the planned graph (units as markers); the
+    steps of every unit (O(units x N) nodes: 3 M for a 405B model at N = 512) are written
+    the first time `graph_module` is asked for, by a rank module, a drawing or the pass log."""
 
-    def __init__(self, ctx: Context, graph_module: fx.GraphModule):
+    def __init__(self, ctx: Context, planned: fx.GraphModule):
         self.ctx = ctx
-        self.graph_module = graph_module  # rank-generic: units are markers and hops
+        self._planned = planned  # rank-generic, units still markers: `plan_graph`'s result
 
     @classmethod
     def compile(cls, ctx: Context, gm: fx.GraphModule | None = None) -> RTPProgram:
-        """Run the pass pipeline for `ctx` on `gm` (default: a fresh copy of the captured
-        graph), rewriting it, and make the program."""
-        return cls(ctx, compile_graph(gm if gm is not None else ctx.fresh_graph(), ctx))
+        """Plan `ctx` on `gm` (default: a fresh copy of the captured graph), rewriting it, and
+        make the program; its steps are written when first needed (`graph_module`), or at
+        once with `debug=True`, whose log promises every pass as it compiles."""
+        prog = cls(ctx, plan_graph(gm if gm is not None else ctx.fresh_graph(), ctx))
+        if ctx.options.debug:
+            prog.graph_module  # noqa: B018 (writes the steps now)
+        return prog
+
+    @functools.cached_property
+    def graph_module(self) -> fx.GraphModule:
+        """The rank-generic program: units as their steps and hops (`passes.write_steps` run
+        on the planned graph, once)."""
+        return write_steps(self._planned, self.ctx)
 
     def __reduce__(self):
         """A program travels (pickle, `launch`) as what made it: the model, the world size, the
@@ -61,7 +74,8 @@ class RTPProgram:
     @property
     def pass_log(self):
         """What each pass changed (`passes.manager.pipeline.PassRecord`); `debug=True` keeps
-        code diffs."""
+        code diffs. Every pass: the steps are written first if they were not yet."""
+        self.graph_module  # noqa: B018 (writes the steps, the last passes' records)
         return self.ctx.pass_log
 
     @functools.cached_property

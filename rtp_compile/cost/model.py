@@ -121,7 +121,8 @@ def _curve(
             float(e.subs(N, n)) if isinstance(e, sympy.Expr) else float(e) for n in _POWERS_OF_TWO
         ]
 
-    grad_numbers = {name: numbers(e) for name, e in grad_of.items()}
+    by_expr = {e: numbers(e) for e in set(grad_of.values())}  # blocks repeat their shards'
+    grad_numbers = {name: by_expr[e] for name, e in grad_of.items()}
     buffer_numbers = {e: numbers(e) for e in set(buffers_at.values())}
     zero = [0.0] * len(_POWERS_OF_TWO)
     extra_numbers, grads = {}, zero
@@ -151,12 +152,17 @@ def _curve(
 
 
 def _buffers_at(units: list[tuple[set[int], sympy.Expr]]) -> dict:
-    """Point -> the largest buffers of a unit (or bucket) held at that point."""
+    """Point -> the largest buffers of a unit (or bucket) held at that point (each distinct
+    set of candidates made into one expression once: the blocks of a model repeat them)."""
     at: dict[int, list] = {}
     for points, buffers in units:
         for point in points:
             at.setdefault(point, []).append(buffers)
-    return {p: sympy.Max(*b) if len(b) > 1 else b[0] for p, b in at.items()}
+    largest: dict[tuple, sympy.Expr] = {}
+    for b in map(tuple, at.values()):
+        if b not in largest:
+            largest[b] = sympy.Max(*b) if len(b) > 1 else b[0]
+    return {p: largest[tuple(b)] for p, b in at.items()}
 
 
 def _evaluate(kind, world_size, exprs, activation_bytes) -> Cost:

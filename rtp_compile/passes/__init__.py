@@ -37,9 +37,16 @@ PIPELINE = [
 ]
 
 
-def compile_graph(gm, ctx):
-    """Run the whole pipeline on `gm` for `ctx` (the rank-generic program comes out)."""
-    return run_pipeline(PIPELINE, gm, ctx)
+def plan_graph(gm, ctx):
+    """Run the pipeline on `gm` up to `schedule`: the plan, bodies and buckets in `ctx`, the
+    units as markers in the graph (its size that of the model's graph, whatever N)."""
+    return run_pipeline(PIPELINE[: PIPELINE.index(schedule)], gm, ctx, pipeline=PIPELINE)
 
 
-__all__ = ["PIPELINE", "compile_graph"]
+def write_steps(gm, ctx):
+    """Run the rest of the pipeline on what `plan_graph` made: every unit's N steps and hops
+    written into the graph (O(units x N) nodes; only rank emission and inspection read them)."""
+    return run_pipeline(PIPELINE[PIPELINE.index(schedule) :], gm, ctx, pipeline=PIPELINE)
+
+
+__all__ = ["PIPELINE", "plan_graph", "write_steps"]

@@ -126,6 +126,8 @@ def parameter_only_nodes(gm: fx.GraphModule, reads: dict[fx.Node, str]) -> nx.Di
 def consumer_closure(node: fx.Node, param_only: nx.DiGraph) -> list[fx.Node]:
     """The parameter-only nodes `node` reads, transitively, in graph order."""
     direct = [i for i in node.all_input_nodes if i in param_only]
+    if not direct:  # most nodes: nothing to order, no walk over the graph
+        return []
     seen = set(direct).union(*(nx.ancestors(param_only, d) for d in direct))
     return [n for n in node.graph.nodes if n in seen]
 

@@ -134,22 +134,23 @@ def _census(gm: fx.GraphModule) -> tuple[collections.Counter, set[str]]:
     return collections.Counter(op_name(n) for n in nodes), {n.name for n in nodes}
 
 
-def run_pipeline(passes, gm: fx.GraphModule, ctx) -> fx.GraphModule:
+def run_pipeline(passes, gm: fx.GraphModule, ctx, pipeline=None) -> fx.GraphModule:
     """Apply `passes` in order (skipping those in `ctx.options.disable`), check each one's
-    invariant after it and record what it changed in `ctx.pass_log`."""
-    names = [p.__name__ for p in passes]
+    invariant after it and record what it changed in `ctx.pass_log`. `pipeline`: the whole
+    pipeline `passes` are a part of (default: `passes`), the names `disable` may give."""
+    names = [p.__name__ for p in (pipeline or passes)]
     disable = set(ctx.options.disable)
     unknown = sorted(disable - set(names))
     if unknown:
         raise ValueError(
             f"rtp_compile.transform: disable names no pass: {unknown}; the passes are {names}"
         )
-    needed = [p.__name__ for p in passes if p.required and p.__name__ in disable]
+    needed = [p.__name__ for p in (pipeline or passes) if p.required and p.__name__ in disable]
     if needed:
         raise ValueError(
             f"rtp_compile.transform: pass(es) {needed} cannot be disabled: the "
             f"rank programs are made from what they produce; optional passes: "
-            f"{[p.__name__ for p in passes if not p.required]}"
+            f"{[p.__name__ for p in (pipeline or passes) if not p.required]}"
         )
     debug = ctx.options.debug
     for p in passes:
