@@ -1040,7 +1040,9 @@ def checkpointed_like_ddp(
     }
 
 
-def peer_raises_alone(rank: int, world_size: int, seed: int, where: str) -> dict:
+def peer_raises_alone(
+    rank: int, world_size: int, seed: int, where: str, compiled: bool = False
+) -> dict:
     """Rank 1 alone raises in the second step (`where`: "forward", the model's own code after
     its first unit; "backward", a unit's backward; "loss", between forward and backward,
     outside the rank module; "leaves": as "forward", then it stops training and waits for the
@@ -1049,14 +1051,18 @@ def peer_raises_alone(rank: int, world_size: int, seed: int, where: str) -> dict
     whether the failed step changed any parameter, gradient or optimizer state, the hops left
     in flight, and the parameters against the unsharded model trained with AdamW on the mean
     gradient of the batches each completed step used on each rank (exchanged over the healthy
-    default group: a rank that failed twice pairs a later batch with its peers')."""
+    default group: a rank that failed twice pairs a later batch with its peers'). `compiled`:
+    every unit outside a bucket and the module under `torch.compile` (aot_eager, fullgraph), so
+    the peers' backwards that fail are traced ones (only `where="loss"`: the others patch the
+    module's Python, which a compiled graph does not run again)."""
     import datetime
     import time
 
     group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=3))
     model = build("gpt", seed)
-    prog = rtp_compile.transform(model, world_size)
+    prog = rtp_compile.transform(model, world_size, **({"bucket_bytes": 0} if compiled else {}))
     gm = prog.module(rank, group=group)
+    run = torch.compile(gm, backend="aot_eager", fullgraph=True) if compiled else gm
     opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1)
     from rtp_compile.runtime.rotated import RotatedOpRuntime
 
@@ -1090,7 +1096,7 @@ def peer_raises_alone(rank: int, world_size: int, seed: int, where: str) -> dict
         start = time.monotonic()
         armed["on"] = rank == 1 and attempt == 1
         try:
-            out = gm(batch("gpt", seed, rank, attempt))
+            out = run(batch("gpt", seed, rank, attempt))
             if armed["on"] and where == "loss":
                 raise ValueError("rank 1's loss code raised")
             loss_of(out, seed + attempt).backward()

@@ -23,6 +23,12 @@ def test_rank_module_compiles_whole_with_aot_eager(seed):
         )
         assert per_model["norule"]["GatheredOpRuntime"]
         assert per_model["checkpointed"]["CheckpointedRegion"]
+        # outside a bucket, a unit's backward is traced: its hops in the graph, no opaque op
+        ops = per_model["gpt, no buckets"]["received"]["backward ops"]
+        assert "rtp.unit_backward.default" not in ops, ops
+        assert ops.get("rtp.ring_shift_start.default") == ops.get("rtp.ring_wait.default") > 0
+        assert ops.get("rtp.open_transaction.default"), ops
+        assert per_model["gpt"]["received"]["backward ops"].get("rtp.unit_backward.default")
         for name, r in per_model.items():
             assert r["frames"] == 1, f"rank {rank} {name}: {r['frames']} frames compiled"
             assert r["received"]["in forward"] and not r["received"]["saved"], (rank, name, r)

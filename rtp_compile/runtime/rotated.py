@@ -6,10 +6,16 @@ shards by counter-clockwise rotation (never saved for backward: only the activat
 the rule's backward step for each, and lets a gradient accumulator travel with each shard so it
 arrives complete, averaged like DDP's, at the rank that owns it (`collectives.GradientRing`).
 
-So that a compiler can trace a rank's whole module (`torch.compile(gm, fullgraph=True)`), the
-autograd Functions here hold no Python object: each passes its runtime module's key
-(`registry.Keyed`) and what it saved to one custom op per backward, whose implementation finds
-the module and runs it eagerly (the same holds for `gathered` and `small`).
+Eager, a unit's backward runs its events in Python (`UnitRuntime.backward`). A compiler that
+traces a rank's module (`torch.compile(gm, fullgraph=True)`) traces that same code into the
+backward graph for a unit outside a bucket (`UnitRuntime.graph_backward`): the events are
+constants of the schedule, so the trace is the unit's backward steps themselves, each step's
+input and weight gradients and the fetch and accumulator hops as the graph ops `ring_shift_start`
+/ `ring_wait`, which the compiler orders and fuses around. A unit in a bucket shares its
+fetches and gradient rows with the bucket's other units through the bucket's per-forward state,
+which no traced graph can hold: its backward stays one custom op (`rtp::unit_backward`) that
+finds the module by its key (`registry.Keyed`) and runs it eagerly (as `gathered` and `small`
+do).
 """
 
 from __future__ import annotations
@@ -35,16 +41,18 @@ from rtp_compile.runtime.registry import (
     save_values,
     saved_values,
 )
+from rtp_compile.runtime.transaction import open_transaction
 
 
 class _UnitGrad(torch.autograd.Function):
     """Links a unit's result into autograd; saves the activation, the rank's own shards (one per
     role, `n_own`) and whatever the unit keeps from its forward steps, never a received shard;
-    in a bucket, the `ticket` of the bucket's forward. Backward: `rtp::unit_backward`."""
+    in a bucket, the `ticket` of the bucket's forward. Backward: `rtp::unit_backward`, or, being
+    traced outside a bucket, the unit's `graph_backward`."""
 
     @staticmethod
-    def forward(ctx, key, n_own, ticket, y, x, *tensors):
-        ctx.key, ctx.n_own = key, n_own
+    def forward(ctx, runtime, n_own, ticket, y, x, *tensors):
+        ctx.runtime, ctx.key, ctx.n_own = runtime, runtime.rtp_key, n_own
         save_values(
             ctx, (ticket, x, *tensors)
         )  # a fused block's externals may be sizes, not tensors
@@ -58,7 +66,10 @@ class _UnitGrad(torch.autograd.Function):
         # in a bucket the shards' gradients go into the bucket's rows; the ticket's gradient
         # (zero) makes the bucket's backward wait for every unit's
         need_dx, own_needs = needs[4], needs[5 : 5 + n_own]
-        grads = iter(unit_backward(ctx.key, dy, *encode(values), need_dx, any(own_needs)))
+        if ticket is None and torch.compiler.is_compiling():
+            grads = iter(ctx.runtime.graph_backward(dy, values, need_dx, any(own_needs)))
+        else:
+            grads = iter(unit_backward(ctx.key, dy, *encode(values), need_dx, any(own_needs)))
         d_ticket = next(grads) if ticket is not None else None
         dx = next(grads) if need_dx else None
         own = [next(grads) if any(own_needs) and ticket is None else None for _ in own_needs]
@@ -110,7 +121,7 @@ class UnitRuntime(Keyed):
         the bucket's forward (`BucketRuntime`)."""
         if not torch.is_grad_enabled():
             return y
-        return _UnitGrad.apply(self.rtp_key, len(self.roles), ticket, y, x, *tensors)
+        return _UnitGrad.apply(self, len(self.roles), ticket, y, x, *tensors)
 
     @transaction.transactional
     def backward_op(self, dy, values, need_dx: bool, need_dw: bool) -> list[torch.Tensor]:
@@ -123,6 +134,18 @@ class UnitRuntime(Keyed):
         dx, grads = self.backward(dy, x, own, saved, need_dx, need_dw, bucket)
         out = [] if ticket is None else [torch.zeros_like(ticket)]
         return distinct(out + ([dx] if need_dx else []) + (grads or []), [dy, *values])
+
+    def graph_backward(self, dy, values, need_dx: bool, need_dw: bool) -> list[torch.Tensor]:
+        """`backward_op` for a compiler to trace (a unit outside a bucket): the same events, its
+        hops graph ops, the transaction opened by the graph op `rtp::open_transaction` (a
+        traced backward has no Python around it to open or roll back). Returns dx (if needed),
+        then the own shards' gradients (if needed)."""
+        open_transaction(self.rtp_key, dy)
+        _, x, *rest = values
+        n_own = len(self.roles)
+        own, saved = [p.detach() for p in rest[:n_own]], rest[n_own:]
+        dx, grads = self.backward(dy, x, own, saved, need_dx, need_dw)
+        return ([dx] if need_dx else []) + (grads or [])
 
     def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
         """This step's part of dx (added into `dx`, None when not needed). `scratch` is a dict
@@ -167,7 +190,7 @@ class UnitRuntime(Keyed):
             elif action == Action.FETCH_WAIT:
                 fetch.wait(j)
             elif action == Action.RELEASE:
-                packing.pool.release()
+                fetch.release()
             elif action == Action.DONE:
                 fetch.done()
             elif action == Action.INPUT_GRAD:
@@ -209,20 +232,26 @@ class _UnitFetch:
 
     def __init__(self, own, group_name, where):
         self.own, self.group_name, self.where = own, group_name, where
-        self.current = own
-        self.incoming: int | None = None
+        self.current = self.sent = own
+        self.incoming: int | torch.Tensor | None = None
 
     def start(self, step, tag):
-        self.incoming = ring.shift_start(
+        self.sent = self.current
+        self.incoming = ring.hop_start(
             self.current, self.group_name, -1, tag, f"{self.where}: weight hop {step}"
         )
 
     def wait(self, step):
         assert self.incoming is not None, "waited on a hop never started"
-        self.current = packing.unpack(ring.wait(self.incoming), packing.specs_of(self.own))
+        arrived = ring.hop_wait(self.incoming, self.sent)
+        self.current = packing.unpack(arrived, packing.specs_of(self.own))
+        self.sent = self.own  # the sent shards go (the pool reuses their buffer)
 
     def held(self, step):
         return self.current
+
+    def release(self):
+        ring.release_pool(self.current[0])
 
     def done(self):
         pass
@@ -242,6 +271,9 @@ class _BucketFetch:
 
     def held(self, step):
         return self.state.held(self.unit, step)
+
+    def release(self):
+        packing.pool.release()
 
     def done(self):
         self.state.unit_done(self.unit)
