@@ -176,21 +176,29 @@ class LinearRule(Rule):
     @staticmethod
     def col_weight_grads(options, dy_part, x, into):
         """Column split, given the output gradient's slice for this shard."""
-        gw = into["weight"].t() if options.get("transposed") else into["weight"]  # [out, in]
         dy2 = _flat2d(dy_part)
-        gw.addmm_(dy2.t(), _flat2d(x))
+        _add_weight_grad(options, into["weight"], dy2, _flat2d(x))
         if "bias" in into:
             into["bias"].add_(dy2.sum(0))
 
     @staticmethod
     def row_weight_grads(options, dy, x_part, slots, into):
         """Row split, given the input's slice for this shard."""
-        gw = into["weight"].t() if options.get("transposed") else into["weight"]  # [out, in]
         dy2 = _flat2d(dy)
-        gw.addmm_(dy2.t(), _flat2d(x_part))
+        _add_weight_grad(options, into["weight"], dy2, _flat2d(x_part))
         if "bias" in into:
             bs = slots["bias"]
             into["bias"].add_(dy2.narrow(1, bs.offset, bs.valid).sum(0))
+
+
+def _add_weight_grad(options, gw, dy2, x2) -> None:
+    """gw += dy2ᵀ x2 ([out, in]), or its transpose when the weight is stored [in, out]. Written
+    into gw itself, never through a transposed view of it: functionalization (AOT autograd)
+    replays a view chain's inverse with `view`, which a transposed accumulator cannot take."""
+    if options.get("transposed"):
+        gw.addmm_(x2.t(), dy2)
+    else:
+        gw.addmm_(dy2.t(), x2)
 
 
 def _bias_in_slot(bias_shard, slot: Slot, total: int):
