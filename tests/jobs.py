@@ -1074,7 +1074,6 @@ def peer_raises_alone(
         if armed["on"] and where in ("forward", "leaves"):
             raise ValueError("rank 1's own code raised")
 
-    failing.register_forward_pre_hook(own_code_raises)
     step_weight_grads = type(failing).step_weight_grads
 
     def unit_raises(self, *args):
@@ -1082,7 +1081,9 @@ def peer_raises_alone(
             raise RuntimeError("rank 1's unit backward raised")
         return step_weight_grads(self, *args)
 
-    type(failing).step_weight_grads = unit_raises
+    if not compiled:  # a compiled graph would guard on `armed` and recompile when it changes
+        failing.register_forward_pre_hook(own_code_raises)
+        type(failing).step_weight_grads = unit_raises
     snapshot = lambda: (
         {n: p.detach().clone() for n, p in gm.named_parameters()},  # noqa: E731
         {n: p.grad for n, p in gm.named_parameters()},
@@ -1106,6 +1107,11 @@ def peer_raises_alone(
             raised.append(None)
         except Exception as err:  # noqa: BLE001 - what the step raised, on this rank
             raised.append(f"{type(err).__name__}: {err}")
+            if isinstance(err, torch._dynamo.exc.Unsupported) and err.__context__ is not None:
+                # torch 2.13: a compiled GraphModule whose graph raised is reported by dynamo
+                # failing to trace fx's error handler, raised while handling the real error
+                raised[-1] += f" (while handling {type(err.__context__).__name__}: "
+                raised[-1] += f"{err.__context__})"
             if where == "leaves" and (rank == 1 or attempt == 2):  # rank 1 leaves the ring
                 raised[-1] += f" (after {time.monotonic() - start:.1f} s)"
                 attempt = 6

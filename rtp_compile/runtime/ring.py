@@ -162,13 +162,17 @@ def ring_shift_start(
     tag: int,
     where: str,
     pooled: bool = True,
+    after: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Graph op: start one ring hop of `tensors`; returns its handle for `ring_wait`."""
+    """Graph op: start one ring hop of `tensors`; returns its handle for `ring_wait`. `after`:
+    a value the hop must follow (a traced backward's incoming gradient: else a partitioner may
+    start a backward's first weight hop, which reads only the own shards, in the forward and
+    save what it received)."""
     return torch.tensor(shift_start(tensors, group_name, shift, tag, where, pooled))
 
 
 @ring_shift_start.register_fake
-def _(tensors, group_name, shift, tag, where, pooled=True):
+def _(tensors, group_name, shift, tag, where, pooled=True, after=None):
     return torch.empty((), dtype=torch.int64, device="cpu")
 
 
@@ -204,11 +208,13 @@ def hop_start(
     tag: int,
     where: str,
     pooled: bool = True,
+    after: torch.Tensor | None = None,
 ) -> int | torch.Tensor:
     """`shift_start` as the caller runs: the graph op `ring_shift_start` in a graph being
-    compiled (a backward the compiler traces), else the call itself (no dispatch)."""
+    compiled (a backward the compiler traces; `after`: see the op), else the call itself (no
+    dispatch)."""
     if torch.compiler.is_compiling():
-        return torch.ops.rtp.ring_shift_start(tensors, group_name, shift, tag, where, pooled)
+        return torch.ops.rtp.ring_shift_start(tensors, group_name, shift, tag, where, pooled, after)
     return shift_start(tensors, group_name, shift, tag, where, pooled)
 
 

@@ -26,6 +26,7 @@ import torch
 
 from rtp_compile.core.ir import Action
 from rtp_compile.runtime import packing, ring, transaction
+from rtp_compile.runtime.bucket import BucketState
 from rtp_compile.runtime.collectives import GradientRing
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
 from rtp_compile.runtime.precision import Precision
@@ -84,6 +85,32 @@ class _UnitGrad(torch.autograd.Function):
         )
 
 
+class _LinkedUnitGrad(torch.autograd.Function):
+    """A unit of a bucket in a forward a compiler traces: as `_UnitGrad`, with the bucket's
+    links (`bucket._LinkedBucketParams`) passed through: the unit reads the earlier unit's and
+    returns its own for the next. Backward (`UnitRuntime.linked_backward`) gets from the
+    next unit's backward, as its links' gradients, the weights it fetched and the gradient
+    rows so far, and hands them, its own gradients added, to the earlier unit's."""
+
+    @staticmethod
+    def forward(ctx, runtime, n_own, y, x, *rest):
+        n_links = runtime.bucket.n_links
+        ctx.runtime, ctx.n_own, ctx.n_rest = runtime, n_own, len(rest) - n_links
+        save_values(ctx, (None, x, *rest[n_links:]))  # the bucket's other units' own shards,
+        # then the unit's (own shards, what its steps saved)
+        return (y, *runtime.bucket.link_placeholders(y))
+
+    @staticmethod
+    def backward(ctx, dy, *d_links):
+        values = saved_values(ctx)
+        needs = ctx.needs_input_grad
+        n_links, n_others = len(d_links), len(ctx.runtime.bucket.layouts) - ctx.n_own
+        first_own = 4 + n_links + n_others
+        need_dx, need_dw = needs[3], any(needs[first_own : first_own + ctx.n_own])
+        dx, links = ctx.runtime.linked_backward(dy, values, list(d_links), need_dx, need_dw)
+        return (None, None, None, dx, *links, *[None] * ctx.n_rest)
+
+
 class UnitRuntime(Keyed):
     """Runtime of one unit on one rank: executes the backward events its schedule hands it
     (weights re-fetched from rank+1, gradient accumulators passed to rank-1; in a bucket, both
@@ -119,9 +146,22 @@ class UnitRuntime(Keyed):
         """y: the combined step outputs (computed outside autograd); then this rank's own
         shards, one per role, then what the steps saved for backward; `ticket`: in a bucket,
         the bucket's forward (`BucketRuntime`)."""
+        if self.bucket is None:
+            if not torch.is_grad_enabled():
+                return y
+            return _UnitGrad.apply(self, len(self.roles), None, y, x, *tensors)
+        # in a bucket: (y, the ticket or links for the bucket's next unit)
         if not torch.is_grad_enabled():
-            return y
-        return _UnitGrad.apply(self, len(self.roles), ticket, y, x, *tensors)
+            return y, ticket
+        if isinstance(ticket, tuple):  # traced: the links, then the bucket's own shards
+            n_links, at = self.bucket.n_links, self.bucket.slices[self.unit_name]
+            shards = ticket[n_links:]
+            others = (*shards[: at.start], *shards[at.stop :])  # the unit's own: in `tensors`
+            out = _LinkedUnitGrad.apply(
+                self, len(self.roles), y, x, *ticket[:n_links], *others, *tensors
+            )
+            return out[0], (*out[1:], *shards)
+        return _UnitGrad.apply(self, len(self.roles), ticket, y, x, *tensors), ticket
 
     @transaction.transactional
     def backward_op(self, dy, values, need_dx: bool, need_dw: bool) -> list[torch.Tensor]:
@@ -140,12 +180,32 @@ class UnitRuntime(Keyed):
         hops graph ops, the transaction opened by the graph op `rtp::open_transaction` (a
         traced backward has no Python around it to open or roll back). Returns dx (if needed),
         then the own shards' gradients (if needed)."""
-        open_transaction(self.rtp_key, dy)
+        opened = open_transaction(self.rtp_key, dy)
         _, x, *rest = values
         n_own = len(self.roles)
         own, saved = [p.detach() for p in rest[:n_own]], rest[n_own:]
-        dx, grads = self.backward(dy, x, own, saved, need_dx, need_dw)
+        dx, grads = self.backward(dy, x, own, saved, need_dx, need_dw, after=opened)
         return ([dx] if need_dx else []) + (grads or [])
+
+    def linked_backward(self, dy, values, d_links, need_dx: bool, need_dw: bool):
+        """`graph_backward` for a unit of a bucket (`_LinkedUnitGrad`): the bucket's state is
+        what the next unit's backward handed on (`d_links`), or, for the bucket's last unit,
+        whose backward runs first, new. Returns dx (None if not needed) and the links for the
+        earlier unit: the fetched messages, the gradient rows with this unit's added."""
+        opened = open_transaction(self.rtp_key, dy)
+        _, x, *rest = values
+        bucket, n = self.bucket, self.world_size
+        n_own, at = len(self.roles), bucket.slices[self.unit_name]
+        others, rest = rest[: len(bucket.layouts) - n_own], rest[len(bucket.layouts) - n_own :]
+        own, saved = [p.detach() for p in rest[:n_own]], rest[n_own:]
+        stored = [t.detach() for t in (*others[: at.start], *own, *others[at.start :])]
+        if self.unit_name == bucket.last_unit:
+            state = BucketState(bucket, stored)
+        else:
+            state = BucketState(bucket, stored, d_links[: n - 1], list(d_links[n - 1 :]))
+        state.after = opened
+        dx, _ = self.backward(dy, x, own, saved, need_dx, need_dw, state)
+        return dx, state.links()
 
     def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
         """This step's part of dx (added into `dx`, None when not needed). `scratch` is a dict
@@ -157,10 +217,10 @@ class UnitRuntime(Keyed):
         """This rank's gradient of each shard's real part, added into `into[role]`."""
         raise NotImplementedError
 
-    def backward(self, dy, x, own, saved, need_dx: bool, need_dw: bool, bucket=None):
+    def backward(self, dy, x, own, saved, need_dx: bool, need_dw: bool, bucket=None, after=None):
         """dx and this rank's (averaged) shard gradients, by the unit's backward events; in a
         bucket (`bucket`: the forward's BucketState) the gradients go into the bucket's rows
-        and the unit returns none."""
+        and the unit returns none. `after`: in a traced backward, what its hops follow."""
         n, where = self.world_size, f"{self.unit_name} backward"
         dx = torch.zeros_like(x) if need_dx else None
         own = self.precision.to_compute(own)  # cast once: the weights rotate in it
@@ -172,7 +232,7 @@ class UnitRuntime(Keyed):
             fetch = _BucketFetch(bucket, self.unit_name)
             grads = _BucketGrads(bucket, self.unit_name) if need_dw else None
         else:
-            fetch = _UnitFetch(own, self.group_name, where)
+            fetch = _UnitFetch(own, self.group_name, where, after)
             grads = (
                 GradientRing(self.layouts, self.group_name, where, own[0], self.reduce_dtype)
                 if need_dw
@@ -230,15 +290,20 @@ class UnitRuntime(Keyed):
 class _UnitFetch:
     """A unit's own weight fetches: each hop sends on what the one before brought."""
 
-    def __init__(self, own, group_name, where):
-        self.own, self.group_name, self.where = own, group_name, where
+    def __init__(self, own, group_name, where, after=None):
+        self.own, self.group_name, self.where, self.after = own, group_name, where, after
         self.current = self.sent = own
         self.incoming: int | torch.Tensor | None = None
 
     def start(self, step, tag):
         self.sent = self.current
         self.incoming = ring.hop_start(
-            self.current, self.group_name, -1, tag, f"{self.where}: weight hop {step}"
+            self.current,
+            self.group_name,
+            -1,
+            tag,
+            f"{self.where}: weight hop {step}",
+            after=self.after,
         )
 
     def wait(self, step):
