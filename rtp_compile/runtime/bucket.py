@@ -9,8 +9,13 @@ step for all of them, kept until every unit of the bucket is done: the bucket he
 each unit adds its gradient of every shard into the bucket's gradient rows (one flat message
 per shard), and once autograd has run every unit, the parameters' pass-through reduce-scatters
 the rows around the ring, one message per hop, into each rank's own shards' gradients. Each
-unit's backward gives the ticket a (zero) gradient, so that also a compiled backward graph runs
-the reduce-scatter after every unit of the bucket.
+unit's backward gives the ticket a (zero) gradient, so that the reduce-scatter runs after every
+unit of the bucket.
+Traced by a compiler, a forward has no state to find: the bucket's parameters give the units
+links instead of a ticket (`_LinkedBucketParams`), the bucket's last unit, whose backward runs
+first, fetches, and the messages and rows reach the earlier units as the links' gradients
+(`rotated._LinkedUnitGrad`); the first unit's rows reach the parameters' backward, which
+reduce-scatters them (`reduce_scatter_rows`, the same hops as graph ops).
 """
 
 from __future__ import annotations

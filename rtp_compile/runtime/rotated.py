@@ -6,16 +6,18 @@ shards by counter-clockwise rotation (never saved for backward: only the activat
 the rule's backward step for each, and lets a gradient accumulator travel with each shard so it
 arrives complete, averaged like DDP's, at the rank that owns it (`collectives.GradientRing`).
 
-Eager, a unit's backward runs its events in Python (`UnitRuntime.backward`). A compiler that
+Eager, a unit's backward runs its events in Python (`UnitRuntime.backward`) inside one custom
+op (`rtp::unit_backward`, which finds the module by its key, `registry.Keyed`). A compiler that
 traces a rank's module (`torch.compile(gm, fullgraph=True)`) traces that same code into the
-backward graph for a unit outside a bucket (`UnitRuntime.graph_backward`): the events are
-constants of the schedule, so the trace is the unit's backward steps themselves, each step's
-input and weight gradients and the fetch and accumulator hops as the graph ops `ring_shift_start`
-/ `ring_wait`, which the compiler orders and fuses around. A unit in a bucket shares its
-fetches and gradient rows with the bucket's other units through the bucket's per-forward state,
-which no traced graph can hold: its backward stays one custom op (`rtp::unit_backward`) that
-finds the module by its key (`registry.Keyed`) and runs it eagerly (as `gathered` and `small`
-do).
+backward graph instead (`UnitRuntime.graph_backward`): the events are constants of the
+schedule, so the trace is the unit's backward steps themselves, each step's input and weight
+gradients and the fetch and accumulator hops as the graph ops `ring_shift_start` /
+`ring_wait`, which the compiler orders and fuses around. A unit in a bucket shares its
+bucket's fetches and gradient rows, which eagerly live in the bucket's per-forward state;
+traced, no state outlives a backward, so they travel through autograd (`_LinkedUnitGrad`,
+`UnitRuntime.linked_backward`): the bucket's units pass links forward, and each unit's
+backward hands what it fetched and the rows so far, as the links' gradients, to the unit
+before it.
 """
 
 from __future__ import annotations
