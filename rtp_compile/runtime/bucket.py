@@ -139,10 +139,16 @@ class BucketState:
 
 
 def reduce_scatter_rows(rt: BucketRuntime, rows: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    """The own shards' gradients from the bucket's gradient rows (one per shard, each every
-    rank's gradient of that shard): N - 1 counter-clockwise hops of one accumulator message,
-    each adding this rank's row of the shard it next carries, then the gradient scale. A row is
-    dropped from `rows` once sent."""
+    """The own shards' gradients from the bucket's gradient rows (`reduce_rows`, then
+    `shard_grads`)."""
+    return shard_grads(rt, reduce_rows(rt, rows))
+
+
+def reduce_rows(rt: BucketRuntime, rows: list[torch.Tensor | None]) -> torch.Tensor:
+    """The flat message of the own shards' gradients from the bucket's gradient rows (one per
+    shard, each every rank's gradient of that shard): N - 1 counter-clockwise hops of one
+    accumulator message, each adding this rank's row of the shard it next carries, then the
+    gradient scale. A row is dropped from `rows` once sent."""
     n, rank = rt.world_size, rt.rank
     acc = rows[backward_shard(rank, 0, n)]
     assert acc is not None
@@ -161,6 +167,11 @@ def reduce_scatter_rows(rt: BucketRuntime, rows: list[torch.Tensor | None]) -> l
         acc = ring.hop_wait(incoming, [acc]).add_(row)
     if rt.grad_scale != 1:
         acc.mul_(rt.grad_scale)
+    return acc
+
+
+def shard_grads(rt: BucketRuntime, acc: torch.Tensor) -> list[torch.Tensor]:
+    """The own shards' gradients, each a tensor of its own, from their flat message."""
     # each gradient its own tensor: autograd keeps some of a message's views as .grad and
     # copies others (measured: the bucket's first units' copied), and one view kept would
     # hold the whole message alive besides the copies (a cast to the shards' dtype copies)
@@ -200,8 +211,8 @@ class _LinkedBucketParams(torch.autograd.Function):
     per-forward state: the own shards as they are, and the links (`link_placeholders`) that
     the bucket's units pass from one to the next (`rotated._LinkedUnitGrad`), so that each
     unit's backward hands the earlier ones what it fetched and the gradient rows so far as
-    the links' gradients. Backward: the reduce-scatter of the rows the bucket's first unit
-    handed back."""
+    the links' gradients. Backward: the own shards' gradients, which the bucket's first unit
+    reduce-scattered and handed back as its first row link's gradient."""
 
     @staticmethod
     def forward(ctx, runtime, *own):
@@ -212,8 +223,7 @@ class _LinkedBucketParams(torch.autograd.Function):
     def backward(ctx, *grads):
         rt = ctx.runtime
         n_own = len(rt.layouts)
-        rows = list(grads[n_own + rt.world_size - 1 :])
-        shards = reduce_scatter_rows(rt, rows)
+        shards = shard_grads(rt, grads[n_own + rt.world_size - 1])
         return (None, *[g if need else None for g, need in zip(shards, ctx.needs_input_grad[1:])])
 
 
@@ -248,6 +258,7 @@ class BucketRuntime(Keyed):
             self.slices[unit] = slice(at, at + count)
             at += count
         self.last_unit = next(reversed(self.slices))  # the first whose backward runs
+        self.first_unit = next(iter(self.slices))  # the last: it reduce-scatters, traced
         self.n_links = 2 * world_size - 1  # of a traced forward (`link_placeholders`)
         self.states: dict[int, BucketState] = {}  # per forward whose backward is to come
         self._tickets = itertools.count()

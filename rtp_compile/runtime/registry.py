@@ -19,7 +19,6 @@ import weakref
 from typing import Any
 
 import torch
-from torch._library.effects import EffectType
 from torch import nn
 
 _live: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
@@ -100,14 +99,9 @@ def autograd_in_op():
 
 def effectful(*ops) -> None:
     """Mark graph ops that communicate or keep state: compilers must neither drop nor merge
-    them, even where no value they return is used, nor reorder them among themselves (an
-    ordered effect: AOT autograd threads a token through them in the order they were traced).
-    Every rank traces the same order; a compiler free to reorder two hops that no value links
-    (a bucket's reduce-scatter and the next unit's weight fetch) may order them differently
-    on two ranks, whose programs differ in shapes, and each would wait on the other's."""
+    them, even where no value they return is used."""
     for op in ops:
         torch.fx.node.has_side_effect(op.default)
-        torch.library._register_effectful_op(op.default, EffectType.ORDERED)
 
 
 def graph_op(name: str, mutates_args=()):
@@ -118,8 +112,8 @@ def graph_op(name: str, mutates_args=()):
 
     def wrap(fn):
         op = torch.library.custom_op(f"rtp::{name}", fn, mutates_args=mutates_args)
-        effectful(getattr(torch.ops.rtp, name))
         overload = getattr(torch.ops.rtp, name).default
+        torch.fx.node.has_side_effect(overload)
 
         @functools.wraps(fn)
         def call(*args):

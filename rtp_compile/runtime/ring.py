@@ -201,6 +201,21 @@ def _(after):
     return None
 
 
+@torch.library.custom_op("rtp::follow", mutates_args=("x",))
+def follow(x: torch.Tensor, after: torch.Tensor) -> None:
+    """Graph op: changes nothing, but counts as writing `x` once `after` exists, so whatever
+    reads `x` later runs after what made `after`. A traced unit backward's dx follows its last
+    hop this way, and so the next unit's hops follow it: every rank's compiled backward runs
+    its hops in the one order the units' schedules give (a compiler ordering hops that no
+    value links by the rank's shapes would order them differently on two ranks, each waiting
+    for the other)."""
+
+
+@follow.register_fake
+def _(x, after):
+    return None
+
+
 def hop_start(
     tensors: list[torch.Tensor],
     group_name: str,

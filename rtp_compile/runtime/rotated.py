@@ -28,7 +28,7 @@ import torch
 
 from rtp_compile.core.ir import Action
 from rtp_compile.runtime import packing, ring, transaction
-from rtp_compile.runtime.bucket import BucketState
+from rtp_compile.runtime.bucket import BucketState, reduce_rows
 from rtp_compile.runtime.collectives import GradientRing
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
 from rtp_compile.runtime.precision import Precision
@@ -207,7 +207,15 @@ class UnitRuntime(Keyed):
             state = BucketState(bucket, stored, d_links[: n - 1], list(d_links[n - 1 :]))
         state.after = opened
         dx, _ = self.backward(dy, x, own, saved, need_dx, need_dw, state)
-        return dx, state.links()
+        links = state.links()
+        last = state.messages.get(n - 2) if self.unit_name == bucket.last_unit else None
+        if self.unit_name == bucket.first_unit:  # the rows are complete: reduce-scatter them
+            rows = links[n - 1 :]
+            last = reduce_rows(bucket, rows)  # type: ignore[arg-type]
+            links = links[: n - 1] + [last] + [None] * (n - 1)
+        if dx is not None and last is not None:
+            ring.follow(dx, last)  # the next unit's hops follow this one's (`ring.follow`)
+        return dx, links
 
     def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
         """This step's part of dx (added into `dx`, None when not needed). `scratch` is a dict
@@ -276,7 +284,12 @@ class UnitRuntime(Keyed):
                 del scratches[j]  # the step is done
             elif action == Action.PASS and need_dw:
                 grads.pass_on(j, event.tag)
-        return dx, grads.result(self.grad_scale) if need_dw else None
+        result = grads.result(self.grad_scale) if need_dw else None
+        if torch.compiler.is_compiling() and dx is not None and bucket is None:
+            # the unit's last hop: the accumulator's last receive, else the last weight fetch
+            last = grads.acc[0] if need_dw else fetch.held(0)[0]
+            ring.follow(dx, last)
+        return dx, result
 
     def _add_weight_grads(self, shard, dy, x, shards, slots, saved, into, scratch):
         """`step_weight_grads` into the accumulators `into`; under mixed precision computed in
