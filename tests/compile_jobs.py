@@ -49,7 +49,8 @@ def aot_eager_watching(received: dict):
     """aot_eager (min-cut partitioner, the graphs run as traced) that records in `received`
     how many tensors of the compiled forward a ring hop received ("in forward") and which of
     them it saves for backward ("saved"; none may be: weights are re-fetched,
-    never saved)."""
+    never saved), and the rtp ops of the compiled backward ("backward ops": op name -> count).
+    """
 
     def forward(gm, example_inputs):
         received["in forward"] += sum(map(_received, gm.graph.nodes))
@@ -60,12 +61,20 @@ def aot_eager_watching(received: dict):
         ]
         return make_boxed_func(gm.forward)
 
+    def backward(gm, example_inputs):
+        for node in gm.graph.nodes:
+            name = str(node.target)
+            if node.op == "call_function" and name.startswith("rtp."):
+                ops = received["backward ops"]
+                ops[name] = ops.get(name, 0) + 1
+        return make_boxed_func(gm.forward)
+
     def backend(gm, example_inputs):
         return aot_module_simplified(
             gm,
             example_inputs,
             fw_compiler=forward,
-            bw_compiler=lambda g, _: make_boxed_func(g.forward),
+            bw_compiler=backward,
             partition_fn=min_cut_rematerialization_partition,
         )
 
@@ -83,7 +92,7 @@ def compiled_next_to_eager(
     buckets, gathered ops and activation checkpoints the module has."""
     prog = rtp_compile.transform(model, 2, **options)
     eager, plain = prog.module(rank), prog.module(rank)
-    received = {"in forward": 0, "saved": []}
+    received: dict = {"in forward": 0, "saved": [], "backward ops": {}}
     counter = CompileCounterWithBackend(
         aot_eager_watching(received) if backend == "aot_eager" else backend
     )

@@ -1040,7 +1040,9 @@ def checkpointed_like_ddp(
     }
 
 
-def peer_raises_alone(rank: int, world_size: int, seed: int, where: str) -> dict:
+def peer_raises_alone(
+    rank: int, world_size: int, seed: int, where: str, compiled: bool = False
+) -> dict:
     """Rank 1 alone raises in the second step (`where`: "forward", the model's own code after
     its first unit; "backward", a unit's backward; "loss", between forward and backward,
     outside the rank module; "leaves": as "forward", then it stops training and waits for the
@@ -1049,14 +1051,18 @@ def peer_raises_alone(rank: int, world_size: int, seed: int, where: str) -> dict
     whether the failed step changed any parameter, gradient or optimizer state, the hops left
     in flight, and the parameters against the unsharded model trained with AdamW on the mean
     gradient of the batches each completed step used on each rank (exchanged over the healthy
-    default group: a rank that failed twice pairs a later batch with its peers')."""
+    default group: a rank that failed twice pairs a later batch with its peers'). `compiled`:
+    every unit outside a bucket and the module under `torch.compile` (aot_eager, fullgraph), so
+    the peers' backwards that fail are traced ones (only `where="loss"`: the others patch the
+    module's Python, which a compiled graph does not run again)."""
     import datetime
     import time
 
     group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=3))
     model = build("gpt", seed)
-    prog = rtp_compile.transform(model, world_size)
+    prog = rtp_compile.transform(model, world_size, **({"bucket_bytes": 0} if compiled else {}))
     gm = prog.module(rank, group=group)
+    run = torch.compile(gm, backend="aot_eager", fullgraph=True) if compiled else gm
     opt = torch.optim.AdamW(gm.parameters(), lr=LR, weight_decay=0.1)
     from rtp_compile.runtime.rotated import RotatedOpRuntime
 
@@ -1068,7 +1074,6 @@ def peer_raises_alone(rank: int, world_size: int, seed: int, where: str) -> dict
         if armed["on"] and where in ("forward", "leaves"):
             raise ValueError("rank 1's own code raised")
 
-    failing.register_forward_pre_hook(own_code_raises)
     step_weight_grads = type(failing).step_weight_grads
 
     def unit_raises(self, *args):
@@ -1076,7 +1081,9 @@ def peer_raises_alone(rank: int, world_size: int, seed: int, where: str) -> dict
             raise RuntimeError("rank 1's unit backward raised")
         return step_weight_grads(self, *args)
 
-    type(failing).step_weight_grads = unit_raises
+    if not compiled:  # a compiled graph would guard on `armed` and recompile when it changes
+        failing.register_forward_pre_hook(own_code_raises)
+        type(failing).step_weight_grads = unit_raises
     snapshot = lambda: (
         {n: p.detach().clone() for n, p in gm.named_parameters()},  # noqa: E731
         {n: p.grad for n, p in gm.named_parameters()},
@@ -1090,7 +1097,7 @@ def peer_raises_alone(rank: int, world_size: int, seed: int, where: str) -> dict
         start = time.monotonic()
         armed["on"] = rank == 1 and attempt == 1
         try:
-            out = gm(batch("gpt", seed, rank, attempt))
+            out = run(batch("gpt", seed, rank, attempt))
             if armed["on"] and where == "loss":
                 raise ValueError("rank 1's loss code raised")
             loss_of(out, seed + attempt).backward()
@@ -1100,6 +1107,11 @@ def peer_raises_alone(rank: int, world_size: int, seed: int, where: str) -> dict
             raised.append(None)
         except Exception as err:  # noqa: BLE001 - what the step raised, on this rank
             raised.append(f"{type(err).__name__}: {err}")
+            if isinstance(err, torch._dynamo.exc.Unsupported) and err.__context__ is not None:
+                # torch 2.13: a compiled GraphModule whose graph raised is reported by dynamo
+                # failing to trace fx's error handler, raised while handling the real error
+                raised[-1] += f" (while handling {type(err.__context__).__name__}: "
+                raised[-1] += f"{err.__context__})"
             if where == "leaves" and (rank == 1 or attempt == 2):  # rank 1 leaves the ring
                 raised[-1] += f" (after {time.monotonic() - start:.1f} s)"
                 attempt = 6

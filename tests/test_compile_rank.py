@@ -23,6 +23,14 @@ def test_rank_module_compiles_whole_with_aot_eager(seed):
         )
         assert per_model["norule"]["GatheredOpRuntime"]
         assert per_model["checkpointed"]["CheckpointedRegion"]
+        # a unit's backward is traced, in a bucket or not: its hops in the graph, no opaque op
+        for name in ("gpt", "gpt, no buckets"):
+            ops = per_model[name]["received"]["backward ops"]
+            assert "rtp.unit_backward.default" not in ops, (name, ops)
+            assert "rtp.bucket_reduce_scatter.default" not in ops, (name, ops)
+            starts = ops.get("rtp.ring_shift_start.default")
+            assert starts == ops.get("rtp.ring_wait.default") > 0, (name, ops)
+            assert ops.get("rtp.open_transaction.default"), (name, ops)
         for name, r in per_model.items():
             assert r["frames"] == 1, f"rank {rank} {name}: {r['frames']} frames compiled"
             assert r["received"]["in forward"] and not r["received"]["saved"], (rank, name, r)

@@ -329,7 +329,14 @@ class RankEmitter:
             ticket = {"ticket": self.tickets[bucket]}
         out = self.graph.call_module(f"rtp_units.{name}", (*[env[a] for a in args], *keep), ticket)
         out.meta.update(node.meta)
-        return out
+        if bucket is None:
+            return out
+        # a bucket's unit returns its result and the ticket (or links) for the bucket's next
+        self.tickets[bucket] = self.graph.call_function(operator.getitem, (out, 1))
+        self.tickets[bucket].meta.update(node.meta)
+        result = self.graph.call_function(operator.getitem, (out, 0))
+        result.meta.update(node.meta)
+        return result
 
     def _gathered(self, node: fx.Node, env) -> fx.Node:
         name, *rest = node.args

@@ -9,13 +9,17 @@ step for all of them, kept until every unit of the bucket is done: the bucket he
 each unit adds its gradient of every shard into the bucket's gradient rows (one flat message
 per shard), and once autograd has run every unit, the parameters' pass-through reduce-scatters
 the rows around the ring, one message per hop, into each rank's own shards' gradients. Each
-unit's backward gives the ticket a (zero) gradient, so that also a compiled backward graph runs
-the reduce-scatter after every unit of the bucket.
+unit's backward gives the ticket a (zero) gradient, so that the reduce-scatter runs after every
+unit of the bucket.
+Traced by a compiler, a forward has no state to find: the bucket's parameters give the units
+links instead of a ticket (`_LinkedBucketParams`), the bucket's last unit, whose backward runs
+first, fetches, and the messages and rows reach the earlier units as the links' gradients
+(`rotated._LinkedUnitGrad`); the first unit's rows reach the parameters' backward, which
+reduce-scatters them (`reduce_scatter_rows`, the same hops as graph ops).
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import torch
@@ -31,36 +35,59 @@ class BucketState:
     """One forward of a bucket: its units' own shards, what backward fetched, its gradient
     rows (shard -> flat message of every unit's gradient of that shard)."""
 
-    def __init__(self, runtime: BucketRuntime, own: list[torch.Tensor]):
+    def __init__(
+        self,
+        runtime: BucketRuntime,
+        own: list[torch.Tensor],
+        messages: list[torch.Tensor] | None = None,
+        rows: list[torch.Tensor | None] | None = None,
+    ):
+        """`messages`, `rows`: what a later unit's traced backward fetched and added (see
+        `links`), for the state of a traced backward that a later unit's began."""
         self.runtime, self.stored = runtime, own
-        self.incoming: dict[int, int] = {}  # backward step -> the hop bringing its weights
-        self.fetched: dict[int, list[torch.Tensor]] = {}
-        self.rows: list[torch.Tensor | None] | None = None
+        self._own: list[torch.Tensor] | None = None
+        self.after: torch.Tensor | None = None  # a traced backward's start (`ring.hop_start`)
+        self.incoming: dict[int, int | torch.Tensor] = {}  # backward step -> its weights' hop
+        self.sent: dict[int, list[torch.Tensor]] = {}  # backward step -> what its hop sends
+        self.messages: dict[int, torch.Tensor] = dict(enumerate(messages or []))
+        self.fetched: dict[int, list[torch.Tensor]] = {
+            j: packing.unpack(m, runtime.specs) for j, m in self.messages.items()
+        }
+        self.rows: list[torch.Tensor | None] | None = rows
         self.row_views: dict[int, list[torch.Tensor]] = {}  # shard -> views of its row
         self.done: set[str] = set()
 
-    @functools.cached_property
+    @property
     def own(self) -> list[torch.Tensor]:
         """The own shards in the compute dtype (cast once, by backward: the weights rotate in
-        it)."""
-        return self.runtime.precision.to_compute(self.stored)
+        it; a plain cache, not functools.cached_property, whose lock dynamo cannot trace)."""
+        if self._own is None:
+            self._own = self.runtime.precision.to_compute(self.stored)
+        return self._own
 
     def fetch_start(self, step: int, tag: int) -> None:
         """Start the hop of backward step `step`'s weights (once for the whole bucket)."""
         if step in self.fetched or step in self.incoming:
             return
         rt = self.runtime
-        sending = self.own if step == 0 else self.fetched[step - 1]
-        self.incoming[step] = ring.shift_start(
-            sending, rt.group_name, -1, tag, f"{rt.bucket_name} backward: weight hop {step}"
+        sending = self.sent[step] = self.own if step == 0 else self.fetched[step - 1]
+        self.incoming[step] = ring.hop_start(
+            sending,
+            rt.group_name,
+            -1,
+            tag,
+            f"{rt.bucket_name} backward: weight hop {step}",
+            after=self.after,
         )
 
     def fetch_wait(self, step: int) -> None:
         if step in self.fetched:
             return
-        self.fetched[step] = packing.unpack(ring.wait(self.incoming.pop(step)), self.runtime.specs)
+        arrived = ring.hop_wait(self.incoming.pop(step), self.sent.pop(step))
+        self.messages[step] = arrived
+        self.fetched[step] = packing.unpack(arrived, self.runtime.specs)
         if step == self.runtime.world_size - 2:  # the last weight hop of the bucket
-            packing.pool.release()
+            ring.release_pool(arrived)
 
     def held(self, unit: str, step: int) -> list[torch.Tensor]:
         """The shards unit `unit` holds at backward step `step` (the last: its own)."""
@@ -88,42 +115,70 @@ class BucketState:
         """Unit `unit`'s backward is over: after the bucket's last, its weights go."""
         self.done.add(unit)
         if self.done >= set(self.runtime.slices):
-            self.fetched = {}
-            self.__dict__.pop("own", None)  # the cast copy, if any
+            self.fetched, self.messages = {}, {}
+            self._own = None  # the cast copy, if any
+
+    def links(self) -> list[torch.Tensor]:
+        """What a traced backward hands the bucket's earlier units (as the gradients of the
+        links they passed forward, `BucketRuntime.forward`): the fetched messages, then the
+        gradient rows."""
+        rt = self.runtime
+        if self.rows is None:
+            self.grad_parts(next(iter(rt.slices)), 0)  # the rows, zero
+        assert self.rows is not None and all(r is not None for r in self.rows)
+        return [self.messages[j] for j in range(rt.world_size - 1)] + list(self.rows)  # type: ignore[arg-type]
 
     def reduce_scatter(self) -> list[torch.Tensor] | None:
         """This rank's gradients of its own shards, summed over the ranks (times the gradient
         scale), by N - 1 counter-clockwise hops of one accumulator message; None if no unit
         computed a weight gradient."""
-        rt = self.runtime
         rows, self.rows, self.fetched, self.row_views = self.rows, None, {}, {}
         if rows is None:
             return None
-        n, rank = rt.world_size, rt.rank
-        acc = rows[backward_shard(rank, 0, n)]
-        assert acc is not None
-        for j in range(1, n):
-            incoming = ring.shift_start(
-                [acc],
-                rt.group_name,
-                -1,
-                rt.schedule.grad_tag,
-                f"{rt.bucket_name} backward: gradient hop {j}",
-                pooled=False,
-            )
-            rows[backward_shard(rank, j - 1, n)] = None  # sent: nothing else reads it
-            row = rows[backward_shard(rank, j, n)]
-            assert row is not None
-            acc = ring.wait(incoming).add_(row)
-        if rt.grad_scale != 1:
-            acc.mul_(rt.grad_scale)
-        # each gradient its own tensor: autograd keeps some of a message's views as .grad and
-        # copies others (measured: the bucket's first units' copied), and one view kept would
-        # hold the whole message alive besides the copies (a cast to the shards' dtype copies)
-        return [
-            g.clone() if g.dtype == lay.dtype else g.to(lay.dtype)
-            for g, lay in zip(packing.unpack(acc, rt.grad_specs), rt.layouts)
-        ]
+        return reduce_scatter_rows(self.runtime, rows)
+
+
+def reduce_scatter_rows(rt: BucketRuntime, rows: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The own shards' gradients from the bucket's gradient rows (`reduce_rows`, then
+    `shard_grads`)."""
+    return shard_grads(rt, reduce_rows(rt, rows))
+
+
+def reduce_rows(rt: BucketRuntime, rows: list[torch.Tensor | None]) -> torch.Tensor:
+    """The flat message of the own shards' gradients from the bucket's gradient rows (one per
+    shard, each every rank's gradient of that shard): N - 1 counter-clockwise hops of one
+    accumulator message, each adding this rank's row of the shard it next carries, then the
+    gradient scale. A row is dropped from `rows` once sent."""
+    n, rank = rt.world_size, rt.rank
+    acc = rows[backward_shard(rank, 0, n)]
+    assert acc is not None
+    for j in range(1, n):
+        incoming = ring.hop_start(
+            [acc],
+            rt.group_name,
+            -1,
+            rt.schedule.grad_tag,
+            f"{rt.bucket_name} backward: gradient hop {j}",
+            pooled=False,
+        )
+        rows[backward_shard(rank, j - 1, n)] = None  # sent: nothing else reads it
+        row = rows[backward_shard(rank, j, n)]
+        assert row is not None
+        acc = ring.hop_wait(incoming, [acc]).add_(row)
+    if rt.grad_scale != 1:
+        acc.mul_(rt.grad_scale)
+    return acc
+
+
+def shard_grads(rt: BucketRuntime, acc: torch.Tensor) -> list[torch.Tensor]:
+    """The own shards' gradients, each a tensor of its own, from their flat message."""
+    # each gradient its own tensor: autograd keeps some of a message's views as .grad and
+    # copies others (measured: the bucket's first units' copied), and one view kept would
+    # hold the whole message alive besides the copies (a cast to the shards' dtype copies)
+    return [
+        g.clone() if g.dtype == lay.dtype else g.to(lay.dtype)
+        for g, lay in zip(packing.unpack(acc, rt.grad_specs), rt.layouts)
+    ]
 
 
 KEPT_STATES = 1024
@@ -148,6 +203,27 @@ class _BucketParams(torch.autograd.Function):
         (ticket,) = ctx.saved_tensors
         d_ticket = grads[-1] if grads[-1] is not None else torch.zeros_like(ticket)
         shards = bucket_reduce_scatter(ctx.key, ticket, d_ticket)
+        return (None, *[g if need else None for g, need in zip(shards, ctx.needs_input_grad[1:])])
+
+
+class _LinkedBucketParams(torch.autograd.Function):
+    """The bucket's parameters in a forward a compiler traces, whose backward graph holds no
+    per-forward state: the own shards as they are, and the links (`link_placeholders`) that
+    the bucket's units pass from one to the next (`rotated._LinkedUnitGrad`), so that each
+    unit's backward hands the earlier ones what it fetched and the gradient rows so far as
+    the links' gradients. Backward: the own shards' gradients, which the bucket's first unit
+    reduce-scattered and handed back as its first row link's gradient."""
+
+    @staticmethod
+    def forward(ctx, runtime, *own):
+        ctx.runtime = runtime
+        return (*[o.view_as(o) for o in own], *runtime.link_placeholders(own[0]))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rt = ctx.runtime
+        n_own = len(rt.layouts)
+        shards = shard_grads(rt, grads[n_own + rt.world_size - 1])
         return (None, *[g if need else None for g, need in zip(shards, ctx.needs_input_grad[1:])])
 
 
@@ -181,6 +257,9 @@ class BucketRuntime(Keyed):
         for unit, count in units:
             self.slices[unit] = slice(at, at + count)
             at += count
+        self.last_unit = next(reversed(self.slices))  # the first whose backward runs
+        self.first_unit = next(iter(self.slices))  # the last: it reduce-scatters, traced
+        self.n_links = 2 * world_size - 1  # of a traced forward (`link_placeholders`)
         self.states: dict[int, BucketState] = {}  # per forward whose backward is to come
         self._tickets = itertools.count()
         self.register(name)
@@ -234,7 +313,23 @@ class BucketRuntime(Keyed):
     def forward(self, *own):
         if not torch.is_grad_enabled() or not any(o.requires_grad for o in own):
             return (*own, None)
+        if torch.compiler.is_compiling():
+            out = _LinkedBucketParams.apply(self, *own)
+            views = out[: len(own)]
+            return (*views, (*out[len(own) :], *views))
         return _BucketParams.apply(self.rtp_key, *own)
+
+    def link_placeholders(self, like: torch.Tensor) -> list[torch.Tensor]:
+        """A traced forward's links (`_LinkedBucketParams`): one per fetched message (N - 1),
+        then one per gradient row (N), each an empty tensor of the message's shape and dtype.
+        Only their gradients carry data; no unit reads them, so a compiler drops them. (Dense,
+        not zero-stride: dynamo traces a backward on gradients laid out like the outputs, and
+        a unit's backward adds into the rows it is handed.)"""
+        fetch_dtype, fetch_total, _ = packing.flat_layout(self.specs)
+        row_dtype, row_total, _ = packing.flat_layout(self.grad_specs)
+        n = self.world_size
+        fetches = [like.new_empty(fetch_total, dtype=fetch_dtype) for _ in range(n - 1)]
+        return fetches + [like.new_empty(row_total, dtype=row_dtype) for _ in range(n)]
 
 
 @graph_op("bucket_forward")

@@ -23,7 +23,8 @@ class GradientRing:
         self.layouts, self.group_name, self.where = layouts, group_name, where
         self.like, self.dtype = like, dtype
         self.acc: list[torch.Tensor] | None = None
-        self.incoming: int | None = None  # the hop bringing the next accumulator
+        self.sent: list[torch.Tensor] = []  # what the last hop sends
+        self.incoming: int | torch.Tensor | None = None  # the hop bringing the next accumulator
 
     def receive(self) -> None:
         specs = [(lay.shard_shape, self.dtype) for lay in self.layouts]
@@ -31,7 +32,8 @@ class GradientRing:
             dtype, total, _ = packing.flat_layout(specs)
             self.acc = packing.unpack(self.like.new_zeros(total, dtype=dtype), specs)
         else:
-            self.acc, self.incoming = packing.unpack(ring.wait(self.incoming), specs), None
+            self.acc = packing.unpack(ring.hop_wait(self.incoming, self.sent), specs)
+            self.incoming, self.sent = None, []  # sent: let it go
 
     def real_parts(self, shard: int) -> list[torch.Tensor]:
         assert self.acc is not None, "no accumulator received"
@@ -41,10 +43,10 @@ class GradientRing:
 
     def pass_on(self, step: int, tag: int) -> None:
         assert self.acc is not None, "no accumulator to pass on"
-        self.incoming = ring.shift_start(
+        self.incoming = ring.hop_start(
             self.acc, self.group_name, -1, tag, f"{self.where}: gradient hop {step}", pooled=False
         )
-        self.acc = None
+        self.sent, self.acc = self.acc, None
 
     def result(self, scale: float) -> list[torch.Tensor]:
         """The own shards' gradients, scaled, in the shards' dtype, each a tensor of its own:

@@ -102,13 +102,21 @@ class FusedBlockRuntime(UnitRuntime):
                     [dy.new_zeros(*dy.shape[:-1], 0)] * len(self.column_options),
                 )
                 return scratch
-            cols = [h.detach().requires_grad_(True) for h in self._saved_columns(shard, saved)]
+            groups = head_groups(slots, self.layouts[self.tail_weight])
+            externals = saved[: self.n_externals]
+            columns = self._saved_columns(shard, saved)
+            if torch.compiler.is_compiling():
+                # torch.func's vjp, which dynamo traces into the backward graph (autograd.grad
+                # it does not); eager, autograd (functorch's wrappers hide storages from
+                # dispatch modes such as MemTracker)
+                h, region_vjp = torch.func.vjp(
+                    lambda *cols: self.body(*groups, *cols, *externals), *columns
+                )[:2]  # (no aux: two values; the stubs say three)
+                scratch["h"], scratch["dcolumns"] = h, region_vjp(dy @ w_tail)
+                return scratch
+            cols = [h.detach().requires_grad_(True) for h in columns]
             with torch.enable_grad():
-                h = self.body(
-                    *head_groups(slots, self.layouts[self.tail_weight]),
-                    *cols,
-                    *saved[: self.n_externals],
-                )
+                h = self.body(*groups, *cols, *externals)
             scratch["h"] = h.detach()
             scratch["dcolumns"] = torch.autograd.grad(h, cols, dy @ w_tail)
         return scratch

@@ -104,12 +104,14 @@ class RingState:
     """What a process knows of one group's ring beyond its peers: whether a failure broke it
     (`broken`: why), how often it was re-formed (`epoch`), its own communicator since then, and
     what failed steps left in flight (kept alive, never waited for: a late message must not
-    land in freed memory)."""
+    land in freed memory); `open_transactions`: the gradient transactions of backwards that
+    run on it now (a failed hop rolls them back, `runtime.transaction`)."""
 
     epoch: int = 0
     broken: str | None = None
     comm: Any = None  # a gloo ProcessGroup of its own once re-formed
     abandoned: list = field(default_factory=list)
+    open_transactions: list = field(default_factory=list)
 
 
 _rings: dict[str, RingState] = {}

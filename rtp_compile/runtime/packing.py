@@ -14,6 +14,8 @@ def flat_layout(specs):
     """Where each (shape, dtype) sits in one flat message: (flat dtype, total length, offsets).
     One dtype: a flat tensor of it. Mixed dtypes: bytes, each tensor 16-byte aligned."""
     key = tuple((tuple(shape), dtype) for shape, dtype in specs)
+    if torch.compiler.is_compiling():  # traced once: no cache (dynamo would warn of it)
+        return _flat_layout.__wrapped__(key)
     try:
         return _flat_layout(key)
     except TypeError:  # a symbolic size is not hashable

@@ -127,8 +127,11 @@ def wait_for_key(key: int) -> torch.Tensor:
             try:
                 work.wait(timeout)
             except RuntimeError as err:
-                ring_state(pending.group_name).abandoned.append(pending)
+                state = ring_state(pending.group_name)
+                state.abandoned.append(pending)
                 mark_broken(pending.group_name, f"a hop of {pending.where} failed")
+                for transaction in list(state.open_transactions):  # a traced backward's
+                    transaction.roll_back()
                 raise RuntimeError(
                     f"rtp_compile: rank {dist.get_rank()} timed out or failed in the ring "
                     f"during {pending.where}, {doing} (timeout {timeout}). Rank {src} or "
@@ -153,14 +156,23 @@ def finish_leftover_hops() -> None:
 
 @torch.library.custom_op("rtp::ring_shift_start", mutates_args=())
 def ring_shift_start(
-    tensors: list[torch.Tensor], group_name: str, shift: int, tag: int, where: str
+    tensors: list[torch.Tensor],
+    group_name: str,
+    shift: int,
+    tag: int,
+    where: str,
+    pooled: bool = True,
+    after: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Graph op: start one ring hop of `tensors`; returns its handle for `ring_wait`."""
-    return torch.tensor(shift_start(tensors, group_name, shift, tag, where))
+    """Graph op: start one ring hop of `tensors`; returns its handle for `ring_wait`. `after`:
+    a value the hop must follow (a traced backward's incoming gradient: else a partitioner may
+    start a backward's first weight hop, which reads only the own shards, in the forward and
+    save what it received)."""
+    return torch.tensor(shift_start(tensors, group_name, shift, tag, where, pooled))
 
 
 @ring_shift_start.register_fake
-def _(tensors, group_name, shift, tag, where):
+def _(tensors, group_name, shift, tag, where, pooled=True, after=None):
     return torch.empty((), dtype=torch.int64, device="cpu")
 
 
@@ -187,3 +199,52 @@ def ring_release(after: torch.Tensor) -> None:
 @ring_release.register_fake
 def _(after):
     return None
+
+
+@torch.library.custom_op("rtp::follow", mutates_args=("x",))
+def follow(x: torch.Tensor, after: torch.Tensor) -> None:
+    """Graph op: changes nothing, but counts as writing `x` once `after` exists, so whatever
+    reads `x` later runs after what made `after`. A traced unit backward's dx follows its last
+    hop this way, and so the next unit's hops follow it: every rank's compiled backward runs
+    its hops in the one order the units' schedules give (a compiler ordering hops that no
+    value links by the rank's shapes would order them differently on two ranks, each waiting
+    for the other)."""
+
+
+@follow.register_fake
+def _(x, after):
+    return None
+
+
+def hop_start(
+    tensors: list[torch.Tensor],
+    group_name: str,
+    shift: int,
+    tag: int,
+    where: str,
+    pooled: bool = True,
+    after: torch.Tensor | None = None,
+) -> int | torch.Tensor:
+    """`shift_start` as the caller runs: the graph op `ring_shift_start` in a graph being
+    compiled (a backward the compiler traces; `after`: see the op), else the call itself (no
+    dispatch)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.rtp.ring_shift_start(tensors, group_name, shift, tag, where, pooled, after)
+    return shift_start(tensors, group_name, shift, tag, where, pooled)
+
+
+def hop_wait(hop: int | torch.Tensor, sent: list[torch.Tensor]) -> torch.Tensor:
+    """`wait` for a `hop_start` handle (`sent`: what the hop sends, alive in a graph until the
+    wait), the graph op `ring_wait` in a graph being compiled."""
+    if torch.compiler.is_compiling():
+        return torch.ops.rtp.ring_wait(hop, sent)
+    return wait(int(hop))
+
+
+def release_pool(after: torch.Tensor) -> None:
+    """After a unit's last weight hop (`after`: what it received): the pool's buffers go, the
+    graph op `ring_release` in a graph being compiled."""
+    if torch.compiler.is_compiling():
+        torch.ops.rtp.ring_release(after)
+    else:
+        pool.release()

@@ -6,10 +6,18 @@ shards by counter-clockwise rotation (never saved for backward: only the activat
 the rule's backward step for each, and lets a gradient accumulator travel with each shard so it
 arrives complete, averaged like DDP's, at the rank that owns it (`collectives.GradientRing`).
 
-So that a compiler can trace a rank's whole module (`torch.compile(gm, fullgraph=True)`), the
-autograd Functions here hold no Python object: each passes its runtime module's key
-(`registry.Keyed`) and what it saved to one custom op per backward, whose implementation finds
-the module and runs it eagerly (the same holds for `gathered` and `small`).
+Eager, a unit's backward runs its events in Python (`UnitRuntime.backward`) inside one custom
+op (`rtp::unit_backward`, which finds the module by its key, `registry.Keyed`). A compiler that
+traces a rank's module (`torch.compile(gm, fullgraph=True)`) traces that same code into the
+backward graph instead (`UnitRuntime.graph_backward`): the events are constants of the
+schedule, so the trace is the unit's backward steps themselves, each step's input and weight
+gradients and the fetch and accumulator hops as the graph ops `ring_shift_start` /
+`ring_wait`, which the compiler orders and fuses around. A unit in a bucket shares its
+bucket's fetches and gradient rows, which eagerly live in the bucket's per-forward state;
+traced, no state outlives a backward, so they travel through autograd (`_LinkedUnitGrad`,
+`UnitRuntime.linked_backward`): the bucket's units pass links forward, and each unit's
+backward hands what it fetched and the rows so far, as the links' gradients, to the unit
+before it.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import torch
 
 from rtp_compile.core.ir import Action
 from rtp_compile.runtime import packing, ring, transaction
+from rtp_compile.runtime.bucket import BucketState, reduce_rows
 from rtp_compile.runtime.collectives import GradientRing
 from rtp_compile.runtime.events import UnitSchedule, backward_shard
 from rtp_compile.runtime.precision import Precision
@@ -35,16 +44,18 @@ from rtp_compile.runtime.registry import (
     save_values,
     saved_values,
 )
+from rtp_compile.runtime.transaction import open_transaction
 
 
 class _UnitGrad(torch.autograd.Function):
     """Links a unit's result into autograd; saves the activation, the rank's own shards (one per
     role, `n_own`) and whatever the unit keeps from its forward steps, never a received shard;
-    in a bucket, the `ticket` of the bucket's forward. Backward: `rtp::unit_backward`."""
+    in a bucket, the `ticket` of the bucket's forward. Backward: `rtp::unit_backward`, or, being
+    traced outside a bucket, the unit's `graph_backward`."""
 
     @staticmethod
-    def forward(ctx, key, n_own, ticket, y, x, *tensors):
-        ctx.key, ctx.n_own = key, n_own
+    def forward(ctx, runtime, n_own, ticket, y, x, *tensors):
+        ctx.runtime, ctx.key, ctx.n_own = runtime, runtime.rtp_key, n_own
         save_values(
             ctx, (ticket, x, *tensors)
         )  # a fused block's externals may be sizes, not tensors
@@ -58,7 +69,10 @@ class _UnitGrad(torch.autograd.Function):
         # in a bucket the shards' gradients go into the bucket's rows; the ticket's gradient
         # (zero) makes the bucket's backward wait for every unit's
         need_dx, own_needs = needs[4], needs[5 : 5 + n_own]
-        grads = iter(unit_backward(ctx.key, dy, *encode(values), need_dx, any(own_needs)))
+        if ticket is None and torch.compiler.is_compiling():
+            grads = iter(ctx.runtime.graph_backward(dy, values, need_dx, any(own_needs)))
+        else:
+            grads = iter(unit_backward(ctx.key, dy, *encode(values), need_dx, any(own_needs)))
         d_ticket = next(grads) if ticket is not None else None
         dx = next(grads) if need_dx else None
         own = [next(grads) if any(own_needs) and ticket is None else None for _ in own_needs]
@@ -71,6 +85,32 @@ class _UnitGrad(torch.autograd.Function):
             *[g if need else None for g, need in zip(own, own_needs)],
             *[None] * (len(values) - 2 - n_own),
         )
+
+
+class _LinkedUnitGrad(torch.autograd.Function):
+    """A unit of a bucket in a forward a compiler traces: as `_UnitGrad`, with the bucket's
+    links (`bucket._LinkedBucketParams`) passed through: the unit reads the earlier unit's and
+    returns its own for the next. Backward (`UnitRuntime.linked_backward`) gets from the
+    next unit's backward, as its links' gradients, the weights it fetched and the gradient
+    rows so far, and hands them, its own gradients added, to the earlier unit's."""
+
+    @staticmethod
+    def forward(ctx, runtime, n_own, y, x, *rest):
+        n_links = runtime.bucket.n_links
+        ctx.runtime, ctx.n_own, ctx.n_rest = runtime, n_own, len(rest) - n_links
+        save_values(ctx, (None, x, *rest[n_links:]))  # the bucket's other units' own shards,
+        # then the unit's (own shards, what its steps saved)
+        return (y, *runtime.bucket.link_placeholders(y))
+
+    @staticmethod
+    def backward(ctx, dy, *d_links):
+        values = saved_values(ctx)
+        needs = ctx.needs_input_grad
+        n_links, n_others = len(d_links), len(ctx.runtime.bucket.layouts) - ctx.n_own
+        first_own = 4 + n_links + n_others
+        need_dx, need_dw = needs[3], any(needs[first_own : first_own + ctx.n_own])
+        dx, links = ctx.runtime.linked_backward(dy, values, list(d_links), need_dx, need_dw)
+        return (None, None, None, dx, *links, *[None] * ctx.n_rest)
 
 
 class UnitRuntime(Keyed):
@@ -108,9 +148,22 @@ class UnitRuntime(Keyed):
         """y: the combined step outputs (computed outside autograd); then this rank's own
         shards, one per role, then what the steps saved for backward; `ticket`: in a bucket,
         the bucket's forward (`BucketRuntime`)."""
+        if self.bucket is None:
+            if not torch.is_grad_enabled():
+                return y
+            return _UnitGrad.apply(self, len(self.roles), None, y, x, *tensors)
+        # in a bucket: (y, the ticket or links for the bucket's next unit)
         if not torch.is_grad_enabled():
-            return y
-        return _UnitGrad.apply(self.rtp_key, len(self.roles), ticket, y, x, *tensors)
+            return y, ticket
+        if isinstance(ticket, tuple):  # traced: the links, then the bucket's own shards
+            n_links, at = self.bucket.n_links, self.bucket.slices[self.unit_name]
+            shards = ticket[n_links:]
+            others = (*shards[: at.start], *shards[at.stop :])  # the unit's own: in `tensors`
+            out = _LinkedUnitGrad.apply(
+                self, len(self.roles), y, x, *ticket[:n_links], *others, *tensors
+            )
+            return out[0], (*out[1:], *shards)
+        return _UnitGrad.apply(self, len(self.roles), ticket, y, x, *tensors), ticket
 
     @transaction.transactional
     def backward_op(self, dy, values, need_dx: bool, need_dw: bool) -> list[torch.Tensor]:
@@ -124,6 +177,46 @@ class UnitRuntime(Keyed):
         out = [] if ticket is None else [torch.zeros_like(ticket)]
         return distinct(out + ([dx] if need_dx else []) + (grads or []), [dy, *values])
 
+    def graph_backward(self, dy, values, need_dx: bool, need_dw: bool) -> list[torch.Tensor]:
+        """`backward_op` for a compiler to trace (a unit outside a bucket): the same events, its
+        hops graph ops, the transaction opened by the graph op `rtp::open_transaction` (a
+        traced backward has no Python around it to open or roll back). Returns dx (if needed),
+        then the own shards' gradients (if needed)."""
+        opened = open_transaction(self.rtp_key, dy)
+        _, x, *rest = values
+        n_own = len(self.roles)
+        own, saved = [p.detach() for p in rest[:n_own]], rest[n_own:]
+        dx, grads = self.backward(dy, x, own, saved, need_dx, need_dw, after=opened)
+        return ([dx] if need_dx else []) + (grads or [])
+
+    def linked_backward(self, dy, values, d_links, need_dx: bool, need_dw: bool):
+        """`graph_backward` for a unit of a bucket (`_LinkedUnitGrad`): the bucket's state is
+        what the next unit's backward handed on (`d_links`), or, for the bucket's last unit,
+        whose backward runs first, new. Returns dx (None if not needed) and the links for the
+        earlier unit: the fetched messages, the gradient rows with this unit's added."""
+        opened = open_transaction(self.rtp_key, dy)
+        _, x, *rest = values
+        bucket, n = self.bucket, self.world_size
+        n_own, at = len(self.roles), bucket.slices[self.unit_name]
+        others, rest = rest[: len(bucket.layouts) - n_own], rest[len(bucket.layouts) - n_own :]
+        own, saved = [p.detach() for p in rest[:n_own]], rest[n_own:]
+        stored = [t.detach() for t in (*others[: at.start], *own, *others[at.start :])]
+        if self.unit_name == bucket.last_unit:
+            state = BucketState(bucket, stored)
+        else:
+            state = BucketState(bucket, stored, d_links[: n - 1], list(d_links[n - 1 :]))
+        state.after = opened
+        dx, _ = self.backward(dy, x, own, saved, need_dx, need_dw, state)
+        links = state.links()
+        last = state.messages.get(n - 2) if self.unit_name == bucket.last_unit else None
+        if self.unit_name == bucket.first_unit:  # the rows are complete: reduce-scatter them
+            rows = links[n - 1 :]
+            last = reduce_rows(bucket, rows)  # type: ignore[arg-type]
+            links = links[: n - 1] + [last] + [None] * (n - 1)
+        if dx is not None and last is not None:
+            ring.follow(dx, last)  # the next unit's hops follow this one's (`ring.follow`)
+        return dx, links
+
     def step_input_grad(self, shard, dy, x, shards, slots, saved, dx, scratch):
         """This step's part of dx (added into `dx`, None when not needed). `scratch` is a dict
         that lives for one step (from its input grad to its weight grad), for what both step
@@ -134,10 +227,10 @@ class UnitRuntime(Keyed):
         """This rank's gradient of each shard's real part, added into `into[role]`."""
         raise NotImplementedError
 
-    def backward(self, dy, x, own, saved, need_dx: bool, need_dw: bool, bucket=None):
+    def backward(self, dy, x, own, saved, need_dx: bool, need_dw: bool, bucket=None, after=None):
         """dx and this rank's (averaged) shard gradients, by the unit's backward events; in a
         bucket (`bucket`: the forward's BucketState) the gradients go into the bucket's rows
-        and the unit returns none."""
+        and the unit returns none. `after`: in a traced backward, what its hops follow."""
         n, where = self.world_size, f"{self.unit_name} backward"
         dx = torch.zeros_like(x) if need_dx else None
         own = self.precision.to_compute(own)  # cast once: the weights rotate in it
@@ -149,7 +242,7 @@ class UnitRuntime(Keyed):
             fetch = _BucketFetch(bucket, self.unit_name)
             grads = _BucketGrads(bucket, self.unit_name) if need_dw else None
         else:
-            fetch = _UnitFetch(own, self.group_name, where)
+            fetch = _UnitFetch(own, self.group_name, where, after)
             grads = (
                 GradientRing(self.layouts, self.group_name, where, own[0], self.reduce_dtype)
                 if need_dw
@@ -167,7 +260,7 @@ class UnitRuntime(Keyed):
             elif action == Action.FETCH_WAIT:
                 fetch.wait(j)
             elif action == Action.RELEASE:
-                packing.pool.release()
+                fetch.release()
             elif action == Action.DONE:
                 fetch.done()
             elif action == Action.INPUT_GRAD:
@@ -191,7 +284,12 @@ class UnitRuntime(Keyed):
                 del scratches[j]  # the step is done
             elif action == Action.PASS and need_dw:
                 grads.pass_on(j, event.tag)
-        return dx, grads.result(self.grad_scale) if need_dw else None
+        result = grads.result(self.grad_scale) if need_dw else None
+        if torch.compiler.is_compiling() and dx is not None and bucket is None:
+            # the unit's last hop: the accumulator's last receive, else the last weight fetch
+            last = grads.acc[0] if need_dw else fetch.held(0)[0]
+            ring.follow(dx, last)
+        return dx, result
 
     def _add_weight_grads(self, shard, dy, x, shards, slots, saved, into, scratch):
         """`step_weight_grads` into the accumulators `into`; under mixed precision computed in
@@ -207,22 +305,33 @@ class UnitRuntime(Keyed):
 class _UnitFetch:
     """A unit's own weight fetches: each hop sends on what the one before brought."""
 
-    def __init__(self, own, group_name, where):
-        self.own, self.group_name, self.where = own, group_name, where
-        self.current = own
-        self.incoming: int | None = None
+    def __init__(self, own, group_name, where, after=None):
+        self.own, self.group_name, self.where, self.after = own, group_name, where, after
+        self.current = self.sent = own
+        self.incoming: int | torch.Tensor | None = None
 
     def start(self, step, tag):
-        self.incoming = ring.shift_start(
-            self.current, self.group_name, -1, tag, f"{self.where}: weight hop {step}"
+        self.sent = self.current
+        self.incoming = ring.hop_start(
+            self.current,
+            self.group_name,
+            -1,
+            tag,
+            f"{self.where}: weight hop {step}",
+            after=self.after,
         )
 
     def wait(self, step):
         assert self.incoming is not None, "waited on a hop never started"
-        self.current = packing.unpack(ring.wait(self.incoming), packing.specs_of(self.own))
+        arrived = ring.hop_wait(self.incoming, self.sent)
+        self.current = packing.unpack(arrived, packing.specs_of(self.own))
+        self.sent = self.own  # the sent shards go (the pool reuses their buffer)
 
     def held(self, step):
         return self.current
+
+    def release(self):
+        ring.release_pool(self.current[0])
 
     def done(self):
         pass
@@ -242,6 +351,9 @@ class _BucketFetch:
 
     def held(self, step):
         return self.state.held(self.unit, step)
+
+    def release(self):
+        packing.pool.release()
 
     def done(self):
         self.state.unit_done(self.unit)

@@ -16,6 +16,10 @@ A module with data-parallel replicas (`runtime.replicas`) reduces this backward'
 over them inside the transaction: the reduction begins when it opens, finishes before the commit
 adds the set-aside gradients, and a failed reduction rolls back like a failed unit backward.
 
+A backward a compiler traced (`UnitRuntime.graph_backward`) opens the transaction by the graph
+op `rtp::open_transaction`; a hop of it that fails rolls back the transactions open on its
+ring at once (`ring.wait`), and any other error in it is rolled back by the next forward.
+
 A `register_post_accumulate_grad_hook` on a shard sees only this backward's gradient where
 `.grad` held one before it (gradient accumulation); `torch.autograd.grad` is unaffected.
 """
@@ -27,6 +31,8 @@ import functools
 import torch
 
 from rtp_compile.runtime import ring
+from rtp_compile.runtime.groups import ring_state
+from rtp_compile.runtime.registry import graph_op, lookup
 from rtp_compile.runtime.replicas import ReplicaGradReduction
 
 
@@ -55,9 +61,16 @@ class GradTransaction:
         self.set_aside = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
+        ring_state(self.group_name).open_transactions.append(self)
         if self.replicas is not None:
             self.replicas.begin()
         torch.autograd.Variable._execution_engine.queue_callback(self.commit)
+
+    def _closed(self) -> None:
+        self.set_aside = None
+        opened = ring_state(self.group_name).open_transactions
+        if self in opened:
+            opened.remove(self)
 
     def commit(self) -> None:
         if self.replicas is not None:
@@ -69,7 +82,7 @@ class GradTransaction:
         for p, old in zip(self.params, self.set_aside or ()):
             if old is not None:
                 p.grad = old if p.grad is None else old.add_(p.grad)
-        self.set_aside = None
+        self._closed()
         self.params = []  # nothing left to roll back; keep no shard alive through this module
 
     def roll_back(self) -> None:
@@ -81,7 +94,7 @@ class GradTransaction:
             self.replicas.abandon()
         for p, old in zip(self.params, self.set_aside or ()):
             p.grad = old
-        self.set_aside = None
+        self._closed()
 
 
 def transactional(backward):
@@ -102,3 +115,21 @@ def transactional(backward):
             raise
 
     return wrapped
+
+
+@graph_op("open_transaction")
+def open_transaction(key: str, grad: torch.Tensor) -> torch.Tensor:
+    """Graph op, first in a backward a compiler traced: opens the gradient transaction of the
+    rank module the runtime `key` runs in (none: a copy's). `grad`: the backward's incoming
+    gradient, so the op runs once it exists (and, having a tensor argument, a tracer runs its
+    fake). Returns an empty ticket: inductor moves layout kernels past an effectful op that
+    returns no tensor (see `job.check_job`)."""
+    transaction = lookup(key).transaction
+    if transaction is not None:
+        transaction.open()
+    return grad.new_empty(0)
+
+
+@open_transaction.op.register_fake
+def _(key, grad):
+    return grad.new_empty(0)
