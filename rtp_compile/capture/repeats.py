@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from rtp_compile.core.attributes import install
 from rtp_compile.core.ir import CHECKPOINT_KEY
 
 CAPTURED = 3  # blocks exported: the first, and two that must be copies of each other
@@ -269,20 +270,6 @@ def _renamed(meta: dict, old: str, new: str) -> dict:
     return meta
 
 
-def _install(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:
-    """Hold `value` (a parameter or buffer of the model) in `gm` at `target`."""
-    *path, name = target.split(".")
-    owner: nn.Module = gm
-    for part in path:
-        if not hasattr(owner, part):
-            owner.add_module(part, nn.Module())
-        owner = getattr(owner, part)
-    if isinstance(value, nn.Parameter):
-        owner.register_parameter(name, value)
-    else:
-        owner.register_buffer(name, value)
-
-
 def _tensor(block: nn.Module, relative: str) -> torch.Tensor:
     """The parameter or buffer at `relative` inside `block`."""
     owner_path, _, name = relative.rpartition(".")
@@ -317,7 +304,7 @@ def replicate(gm: fx.GraphModule, repeat: Repeat) -> bool:
             with graph.inserting_after(anchor):  # the copy's parameters, in captured order
                 for node in reversed(blocks.attrs[-1]):
                     target = f"{prefix}.{attr_of[node]}"
-                    _install(gm, target, _tensor(repeat.blocks[index], attr_of[node]))
+                    install(gm, target, _tensor(repeat.blocks[index], attr_of[node]))
                     env[node] = graph.get_attr(target)
                     env[node].meta = dict(node.meta)
             anchor = env[blocks.attrs[-1][-1]]

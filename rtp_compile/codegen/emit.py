@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch import nn
 
 from rtp_compile.capture.activation_checkpoints import outline_checkpoints
+from rtp_compile.core.attributes import install
 from rtp_compile.core.graph_ops import add_into
 from rtp_compile.core.ir import (
     Action,
@@ -45,20 +46,6 @@ from rtp_compile.runtime.job import BufferBroadcast, JobCheck
 from rtp_compile.runtime.replicas import ReplicaGradReduction
 from rtp_compile.runtime.rotated import RotatedOpRuntime
 from rtp_compile.runtime.small import SmallParamsGather
-
-
-def _install(root: nn.Module, target: str, value: torch.Tensor) -> None:
-    """Register a parameter or buffer at a dotted path, creating empty parent modules."""
-    *path, leaf = target.split(".")
-    module = root
-    for part in path:
-        if not hasattr(module, part):
-            module.add_module(part, nn.Module())
-        module = getattr(module, part)
-    if isinstance(value, nn.Parameter):
-        module.register_parameter(leaf, value)
-    else:
-        module.register_buffer(leaf, value)
 
 
 class RankEmitter:
@@ -126,10 +113,10 @@ class RankEmitter:
         gm = fx.GraphModule(self.root, self.graph, class_name=f"RTPRank{self.rank}")
         for name in self.plan.params:  # parameters no op reads are still this rank's to keep
             if name not in self.root:
-                _install(gm, name, self._shard(name))
+                install(gm, name, self._shard(name))
         for name, buffer in self.src.named_buffers():  # unread buffers still belong to the state
             if name not in self.root:
-                _install(gm, name, self._attr_value(name, buffer))
+                install(gm, name, self._attr_value(name, buffer))
         for spec in ("_in_spec", "_out_spec"):
             if hasattr(self.src, spec):
                 setattr(gm, spec, getattr(self.src, spec))

@@ -207,11 +207,11 @@ class UnitRuntime(Keyed):
             state = BucketState(bucket, stored, d_links[: n - 1], list(d_links[n - 1 :]))
         state.after = opened
         dx, _ = self.backward(dy, x, own, saved, need_dx, need_dw, state)
-        links = state.links()
+        links: list[torch.Tensor | None] = list(state.links())
         last = state.messages.get(n - 2) if self.unit_name == bucket.last_unit else None
         if self.unit_name == bucket.first_unit:  # the rows are complete: reduce-scatter them
             rows = links[n - 1 :]
-            last = reduce_rows(bucket, rows)  # type: ignore[arg-type]
+            last = reduce_rows(bucket, rows)
             links = links[: n - 1] + [last] + [None] * (n - 1)
         if dx is not None and last is not None:
             ring.follow(dx, last)  # the next unit's hops follow this one's (`ring.follow`)
