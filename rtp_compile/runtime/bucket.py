@@ -14,8 +14,9 @@ unit of the bucket.
 Traced by a compiler, a forward has no state to find: the bucket's parameters give the units
 links instead of a ticket (`_LinkedBucketParams`), the bucket's last unit, whose backward runs
 first, fetches, and the messages and rows reach the earlier units as the links' gradients
-(`rotated._LinkedUnitGrad`); the first unit's rows reach the parameters' backward, which
-reduce-scatters them (`reduce_scatter_rows`, the same hops as graph ops).
+(`rotated._LinkedUnitGrad`); the first unit, whose backward runs last, reduce-scatters the
+rows (`reduce_rows`, the same hops as graph ops) and hands the parameters' backward the own
+shards' gradients.
 """
 
 from __future__ import annotations
@@ -135,13 +136,7 @@ class BucketState:
         rows, self.rows, self.fetched, self.row_views = self.rows, None, {}, {}
         if rows is None:
             return None
-        return reduce_scatter_rows(self.runtime, rows)
-
-
-def reduce_scatter_rows(rt: BucketRuntime, rows: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    """The own shards' gradients from the bucket's gradient rows (`reduce_rows`, then
-    `shard_grads`)."""
-    return shard_grads(rt, reduce_rows(rt, rows))
+        return shard_grads(self.runtime, reduce_rows(self.runtime, rows))
 
 
 def reduce_rows(rt: BucketRuntime, rows: list[torch.Tensor | None]) -> torch.Tensor:
