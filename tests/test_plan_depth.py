@@ -62,6 +62,21 @@ def test_copied_blocks_plan_and_cost_as_every_block_captured(world_size, monkeyp
     assert copied == _everything(model, world_size)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_profile_of_copies_is_that_of_the_whole_graph(dtype):
+    from rtp_compile.cost import profile
+
+    with torch.device("meta"):
+        model = _llama(layers=6).to(dtype)
+    ctx = rtp_compile.transform(model, 2, example_inputs=(IDS.to("meta"),)).ctx
+    assert ctx.copies is not None and ctx.copies.count == 6
+    specs = profile.input_specs(ctx.reference, 3, 11)
+    copied = profile.profile_copies(ctx.copies, ctx.params, specs)
+    whole = profile.profile_forward(ctx.reference, ctx.params, specs)  # every block run
+    assert copied == whole and list(copied.uses) == list(whole.uses)
+    assert profile.profile_of(ctx, 3, 11) == whole
+
+
 def _run(model, forward) -> tuple:
     """The logits of `forward` on IDS and the gradients of their sum in the model's parameters."""
     model.zero_grad()

@@ -42,6 +42,25 @@ class Repeat:
     varying: set[tuple[str, str]]  # (submodule path in a block, attribute name)
 
 
+@dataclass
+class Copies:
+    """What `replicate` made of a graph: `prefix` is the graph before the copies (its first
+    `CAPTURED` blocks, then the tail), and the whole graph is `prefix` with block
+    `CAPTURED - 1` copied, op for op, for blocks `CAPTURED .. count - 1` of the list at
+    `path`, each copy reading its own block's parameters (`path.k.*`) and the copy before."""
+
+    prefix: fx.GraphModule
+    path: str
+    count: int
+
+    def boundaries(self) -> tuple[fx.Node, fx.Node]:
+        """In `prefix`: the first node computed in the block that is copied, and the first
+        node after it (the tail's)."""
+        blocks = _cut(self.prefix, self.path)
+        assert blocks is not None and blocks.tail, "a prefix whose blocks are not one run"
+        return blocks.nodes[-1][0], blocks.tail[0]
+
+
 class AttributeRead(RuntimeError):
     """The forward used an attribute that differs between blocks: they cannot be copied."""
 

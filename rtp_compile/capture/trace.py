@@ -10,6 +10,7 @@ fully qualified name; tied aliases are listed so state dicts can restore every n
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import itertools
 from dataclasses import dataclass, field
@@ -18,7 +19,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from rtp_compile.capture.repeats import AttributeRead, find_repeat, prefix_of, replicate
+from rtp_compile.capture.repeats import (
+    AttributeRead,
+    Copies,
+    find_repeat,
+    prefix_of,
+    replicate,
+)
 from rtp_compile.core.ir import CHECKPOINT_KEY
 from rtp_compile.core.state_keys import native_state_keys
 
@@ -38,6 +45,7 @@ class Captured:
     native_keys: list[str] = field(default_factory=list)  # parameters, persistent buffers
     model: nn.Module | None = field(default=None, repr=False)  # what was captured (meta init)
     examples: tuple = field(default=(None, None), repr=False)  # (example_inputs, _kwargs) given
+    copies: Copies | None = field(default=None, repr=False)  # `gm` is a prefix with copies
 
 
 def parameter_names(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
@@ -75,22 +83,21 @@ def capture(
         example_inputs, example_kwargs = _cast_floating(
             (example_inputs, example_kwargs), compute_dtype if cast_inputs else None
         )
+    copies = None
     with _labelling_checkpoints(), _parameters_in(model, compute_dtype):
         if example_inputs is None and example_kwargs is None:
             dummy = _fitting_dummy_inputs(model)
             if dummy:
-                gm, level = _export_blocks_once(model, None, dummy, "its dummy_inputs"), "aten"
+                gm, copies = _export_blocks_once(model, None, dummy, "its dummy_inputs")
+                level = "aten"
             else:
                 gm, level = _trace_fx(model), "function"
         else:
-            gm, level = (
-                _export_blocks_once(
-                    model, example_inputs, example_kwargs, "the given example inputs"
-                ),
-                "aten",
+            gm, copies = _export_blocks_once(
+                model, example_inputs, example_kwargs, "the given example inputs"
             )
-    _canonicalise_parameter_reads(gm, aliases)
-    _drop_metadata_asserts(gm)
+            level = "aten"
+    _tidy(gm, aliases, copies)
     return Captured(
         gm,
         level,
@@ -99,7 +106,19 @@ def capture(
         native_state_keys(model),
         model=model,
         examples=(example_inputs, example_kwargs),
+        copies=copies,
     )
+
+
+def _tidy(gm: fx.GraphModule, aliases: dict[str, list[str]], copies: Copies | None) -> None:
+    """Canonical parameter reads and no metadata asserts in `gm` and in the prefix it was
+    copied from (`gm` stays that prefix with its last block copied: each op is dropped from
+    every block alike, and only unread parameter reads are dead code)."""
+    for module in (gm,) if copies is None else (gm, copies.prefix):
+        _canonicalise_parameter_reads(module, aliases)
+        _drop_metadata_asserts(module)
+    if copies is not None:  # the prefix reads what `gm` holds, under its canonical names
+        copies.prefix = fx.GraphModule(gm, copies.prefix.graph)
 
 
 @contextlib.contextmanager
@@ -320,10 +339,13 @@ def _close(a, b) -> bool:
     return torch.equal(a, b)
 
 
-def _export_blocks_once(model: nn.Module, args, kwargs, source: str) -> fx.GraphModule:
+def _export_blocks_once(
+    model: nn.Module, args, kwargs, source: str
+) -> tuple[fx.GraphModule, Copies | None]:
     """`_export`, a model's alike blocks exported once (`capture.repeats`): its first blocks
-    exported and the last of them copied for the others; the model whole where the blocks
-    are not alike, read what differs between them, or do not come out as copies."""
+    exported and the last of them copied for the others (and what was copied: `Copies`); the
+    model whole (and None) where the blocks are not alike, read what differs between them, or
+    do not come out as copies."""
     repeat = find_repeat(model)
     if repeat is not None:
         try:
@@ -331,9 +353,11 @@ def _export_blocks_once(model: nn.Module, args, kwargs, source: str) -> fx.Graph
                 gm = _export(model, args, kwargs, source)
         except (CaptureError, AttributeRead):
             gm = None
-        if gm is not None and replicate(gm, repeat):
-            return gm
-    return _export(model, args, kwargs, source)
+        if gm is not None:
+            prefix = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+            if replicate(gm, repeat):
+                return gm, Copies(prefix, repeat.path, len(repeat.blocks))
+    return _export(model, args, kwargs, source), None
 
 
 def _export(model: nn.Module, args, kwargs, source: str) -> fx.GraphModule:
@@ -382,7 +406,7 @@ def _export(model: nn.Module, args, kwargs, source: str) -> fx.GraphModule:
 
 
 def _canonicalise_parameter_reads(gm: fx.GraphModule, aliases: dict[str, list[str]]) -> None:
-    """Point every get_attr of a tied alias at its canonical name."""
+    """Point every get_attr of a tied alias at its canonical name (and drop unread ones)."""
     canonical = {alias: canon for canon, names in aliases.items() for alias in names}
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target in canonical:

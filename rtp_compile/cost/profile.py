@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rtp_compile.capture.repeats import CAPTURED, Copies
 from rtp_compile.core.retarget_meta import retarget_meta
 
 
@@ -69,10 +70,70 @@ def profile_forward(
 
     `loss_keeps_output`: count one more tensor the size of the output, as a cross-entropy loss
     saves its log-softmax."""
+    events, out_bytes = _events(module, params, inputs, compute)
+    return _profile(events, out_bytes, loss_keeps_output)
+
+
+def profile_copies(
+    copies: Copies,
+    params: dict[str, torch.Tensor],
+    inputs: dict,
+    loss_keeps_output: bool = True,
+    compute=lambda dtype: dtype,
+) -> Profile:
+    """`profile_forward` of the graph `copies` describes, run on its prefix only: the copied
+    block's events (what it saves, which parameters it reads) are repeated for every copy,
+    its own parameters renamed to the copy's. Exact: a copy runs the copied block's ops on
+    the same shapes, reading its predecessor as the block reads its own, so it saves tensors
+    of the same sizes, and only new ones where the block does (an outside tensor a copy
+    saves was saved by the block before it already)."""
+    start, end = copies.boundaries()
+    module = fx.GraphModule(copies.prefix, copy.deepcopy(copies.prefix.graph))
+    nodes = dict(zip(copies.prefix.graph.nodes, module.graph.nodes))
+    for node in (nodes[start], nodes[end]):
+        with module.graph.inserting_before(node):
+            module.graph.call_function(_boundary)
+    module.recompile()
+    events, out_bytes = _events(module, params, inputs, compute)
+    first, last = (i for i, event in enumerate(events) if event is _BOUNDARY)
+    block, copied = events[first + 1 : last], f"{copies.path}.{CAPTURED - 1}."
+    spliced = events[:first] + block
+    for index in range(CAPTURED, copies.count):
+        spliced += _renamed(block, copied, f"{copies.path}.{index}.", params)
+    return _profile(spliced + events[last + 1 :], out_bytes, loss_keeps_output)
+
+
+_BOUNDARY = ("boundary", None)
+_recording: list[list] = []  # the events of the profile running now
+
+
+def _boundary() -> None:
+    """Marks, in the events of the profile running now, where a block of copies starts or ends."""
+    _recording[-1].append(_BOUNDARY)
+
+
+def _renamed(events: list, old: str, new: str, params: dict) -> list:
+    """`events` with every parameter of the block at `old` read as the one of the block at
+    `new` (the same path inside it); outside parameters unchanged."""
+    out = []
+    for kind, value in events:
+        if kind == "use" and value.startswith(old):
+            value = new + value[len(old) :]
+            assert value in params, f"a copied block reads {value}, which the model lacks"
+        out.append((kind, value))
+    return out
+
+
+def _events(module, params, inputs, compute) -> tuple[list, int]:
+    """What running `module` on fake tensors saves and reads, in order (`profile_forward`):
+    ("save", bytes) for each storage first saved, ("use", name) for each parameter read, and
+    the output's bytes."""
     if any(p.device.type == "meta" for p in params.values()):
         module = _meta_to_cpu(module)  # so kernels are chosen as on a real device
     events: list = []
     seen: set[int] = set()
+    aliases = list(_aliases(module, params))
+    held = {name for name, _ in aliases}  # the parameters this module holds
     with FakeTensorMode(allow_non_fake_inputs=True):
         device = "cpu"
         fake = {
@@ -80,8 +141,9 @@ def profile_forward(
                 p.shape, dtype=compute(p.dtype), device=device, requires_grad=p.requires_grad
             )
             for name, p in params.items()
+            if name in held
         }
-        state = {alias: fake[name] for name, alias in _aliases(module, params)}
+        state = {alias: fake[name] for name, alias in aliases}
         for node in module.graph.nodes:  # buffers and constants, fake and on cpu too
             value = _attr(module, node.target) if node.op == "get_attr" else None
             if isinstance(value, torch.Tensor) and node.target not in state:
@@ -100,16 +162,25 @@ def profile_forward(
                 events.append(("save", t.untyped_storage().nbytes()))
             return t
 
-        with (
-            _ParamUse(storages, events),
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-        ):
-            out = torch.func.functional_call(module, state, (), args, strict=False)
+        _recording.append(events)
+        try:
+            with (
+                _ParamUse(storages, events),
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            ):
+                out = torch.func.functional_call(module, state, (), args, strict=False)
+        finally:
+            _recording.pop()
     leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-    out_bytes = sum(t.numel() * t.element_size() for t in leaves)
+    return events, sum(t.numel() * t.element_size() for t in leaves)
+
+
+def _profile(events: list, out_bytes: int, loss_keeps_output: bool) -> Profile:
+    """The profile of a forward's events (`_events`)."""
     if loss_keeps_output:
-        events.append(("save", out_bytes))
-    saved, uses = [], {}
+        events = [*events, ("save", out_bytes)]
+    saved: list[int] = []
+    uses: dict[str, list[int]] = {}
     for kind, value in events:
         if kind == "save":
             saved.append(value)
@@ -158,9 +229,14 @@ def profile_of(
     key = tuple(sorted((k, shape, str(dtype)) for k, (shape, dtype) in specs.items()))
     profiles = _profiles.setdefault(ctx.reference, {})
     if key not in profiles:
-        profiles[key] = profile_forward(
-            ctx.reference, ctx.params, specs, compute=ctx.precision.compute
-        )
+        if ctx.copies is None:
+            profiles[key] = profile_forward(
+                ctx.reference, ctx.params, specs, compute=ctx.precision.compute
+            )
+        else:
+            profiles[key] = profile_copies(
+                ctx.copies, ctx.params, specs, compute=ctx.precision.compute
+            )
     return profiles[key]
 
 

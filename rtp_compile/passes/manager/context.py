@@ -134,7 +134,8 @@ class Context:
     `native_keys` (its parameters, under every name, and persistent buffers, as its modules
     name them, in state_dict order: `rtp_compile.state.model_state`), `model` (what was
     captured, for meta init),
-    `examples` (the example inputs and kwargs it was captured with, or None) and
+    `examples` (the example inputs and kwargs it was captured with, or None), `copies` (the
+    reference is a prefix whose last block was copied for the others: `capture.repeats`) and
     `reference` (the captured graph, never rewritten: the cost model profiles it and every
     world size's program starts from it). Passes: `plan` (plan_sharding, fuse_blocks),
     `bodies` (rotate: the graph a fused or gathered unit runs), `schedules` (schedule: each
@@ -151,6 +152,7 @@ class Context:
     reference: fx.GraphModule
     model: nn.Module | None = field(default=None, repr=False)
     examples: tuple = field(default=(None, None), repr=False)
+    copies: object | None = field(default=None, repr=False)  # a capture.repeats.Copies
     plan: Plan | None = None
     bodies: dict[str, fx.GraphModule] = field(default_factory=dict, repr=False)
     schedules: dict[str, UnitSchedule] = field(default_factory=dict, repr=False)
@@ -171,6 +173,7 @@ class Context:
             reference,
             captured.model,
             captured.examples,
+            captured.copies,
         )
 
     def for_world_size(self, world_size: int) -> Context:
