@@ -15,8 +15,13 @@ the same global batch per step, N batches of the preset's size: DDP, FSDP2 and R
 while tensor parallel ranks share all N (each rank computes its heads of the whole global
 batch). The plot shows tokens/s and peak memory per rank.
 
-    rtp-compile bench [--preset gpt-small|gpt2-124m|tiny] [--world-sizes 2 4] [--rounds 3]
-                      [--steps 3] [--out benchmarks/out]      (also: python benchmarks/speed.py)
+With `hardware` (`--predict NAME|FILE.json`, a `cost.hardware` description such as the one
+`rtp-compile calibrate` writes), each of DDP, FSDP2 and RTP also gets the time model's
+predicted step and its error against the measured one.
+
+    rtp-compile bench [--preset gpt-small|gpt2-124m|tiny|demo] [--world-sizes 2 4]
+                      [--rounds 3] [--steps 3] [--out benchmarks/out] [--predict FILE.json]
+                      (also: python benchmarks/speed.py)
 """
 
 from __future__ import annotations
@@ -50,7 +55,9 @@ PRESETS = {  # name -> (model, sequences per batch, tokens per sequence)
         128,
     ),
     "tiny": (GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32), 2, 16),
+    "demo": (GPTConfig(n_layer=4, n_head=4, n_embd=256), 4, 32),  # `rtp-compile demo`'s
 }
+PREDICTED = ("ddp", "fsdp2", "rtp")  # the kinds the time model predicts (`cost.time`)
 # bytes a rank sends per byte of the op's input, by the ring algorithms (gloo and NCCL)
 _VOLUME = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -232,6 +239,19 @@ def measure(rank: int, world_size: int, setup: Setup) -> dict:
     return out
 
 
+def predict(config: GPTConfig, batch: int, seq_len: int, world_size: int, hardware) -> dict:
+    """The time model's step of DDP, FSDP2 and RTP on the bench's model and per-rank batch:
+    kind -> `cost.time.StepTime`."""
+    from rtp_compile import cost
+
+    torch.manual_seed(0)
+    prog = transform(TinyGPT(config), world_size)
+    return {
+        kind: f(prog, batch, seq_len, hardware=hardware).time
+        for kind, f in zip(PREDICTED, (cost.ddp, cost.fsdp, cost.rtp))
+    }
+
+
 def run(
     world_sizes=(2, 4),
     preset: str = "gpt-small",
@@ -240,9 +260,10 @@ def run(
     out: str = "benchmarks/out",
     batch: int | None = None,
     seq_len: int | None = None,
+    hardware=None,
 ) -> list[dict]:
     """Measure every kind at every world size; print the table, save the plot and traces;
-    return the rows."""
+    return the rows (with `hardware`: each predicted kind's `predicted_ms` and `error`)."""
     config, default_batch, default_seq = PRESETS[preset]
     setup = Setup(config, batch or default_batch, seq_len or default_seq, rounds, steps, out)
     pathlib.Path(out).mkdir(parents=True, exist_ok=True)
@@ -251,6 +272,7 @@ def run(
         ranks = launch(
             measure, n, args=(setup,), timeout=1800, env={"KINETO_LOG_LEVEL": "6"}
         )  # no profiler start/stop lines
+        predicted = predict(config, setup.batch, setup.seq_len, n, hardware) if hardware else {}
         for kind in KINDS:
             per_rank = [r[kind] for r in ranks]
             step_s = statistics.median(per_rank[0]["all"])
@@ -269,6 +291,9 @@ def run(
                     "exposed": per_rank[0].get("exposed"),
                 }
             )
+            if kind in predicted:
+                rows[-1]["predicted_ms"] = predicted[kind].step_s * 1e3
+                rows[-1]["error"] = rows[-1]["predicted_ms"] / rows[-1]["step_ms"] - 1
     print(
         f"{preset}: {config.n_layer} layers x {config.n_embd} wide, vocab {config.vocab_size}, "
         f"global batch N x {setup.batch} x {setup.seq_len} tokens per step (tensor parallel: "
@@ -289,6 +314,7 @@ def run(
                     "messages",
                     "exposed comm",
                 )
+                + (("predicted ms", "error") if hardware else ())
             ]
             + [
                 (
@@ -301,6 +327,15 @@ def run(
                     f"{r['sent_mb']:.2f}",
                     r["messages"],
                     "-" if r["exposed"] is None else f"{r['exposed']:.0%}",
+                )
+                + (
+                    (
+                        (f"{r['predicted_ms']:.1f}", f"{r['error']:+.0%}")
+                        if "error" in r
+                        else ("-", "-")
+                    )
+                    if hardware
+                    else ()
                 )
                 for r in rows
             ]
@@ -350,7 +385,17 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--batch", type=int, help="sequences per batch (preset's default)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (preset's default)")
     parser.add_argument("--out", default="benchmarks/out")
+    parser.add_argument(
+        "--predict", metavar="HARDWARE", help="also the time model's step on this description"
+    )
     args = parser.parse_args(argv)
     return run(
-        args.world_sizes, args.preset, args.rounds, args.steps, args.out, args.batch, args.seq_len
+        args.world_sizes,
+        args.preset,
+        args.rounds,
+        args.steps,
+        args.out,
+        args.batch,
+        args.seq_len,
+        args.predict,
     )

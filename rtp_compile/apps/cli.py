@@ -130,6 +130,13 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype", default="bfloat16", help="parameter and activation dtype (default bfloat16)"
     )
     plan.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd, ...")
+    plan.add_argument(
+        "--hardware",
+        metavar="NAME|FILE.json",
+        help="also the predicted step time of each kind on this hardware: a shipped "
+        "description (h100-nvlink, a100-nvlink, this-cpu) or a JSON file (rtp-compile "
+        "calibrate writes one)",
+    )
     plan.set_defaults(run=_run_plan)
 
     bench = commands.add_parser(
@@ -240,6 +247,14 @@ def _run_plan(args: argparse.Namespace) -> None:
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise UsageError(f"--dtype must name a torch dtype (e.g. bfloat16), got {args.dtype!r}")
+    hardware = None
+    if args.hardware:
+        from rtp_compile.cost.hardware import load
+
+        try:
+            hardware = load(args.hardware)
+        except ValueError as e:
+            raise UsageError(str(e)) from e
     for target in args.targets:
         start = time.perf_counter()
         if target in LLAMA:
@@ -253,7 +268,16 @@ def _run_plan(args: argparse.Namespace) -> None:
             f"{target}: {n_params / 1e9:.2f} B parameters ({args.dtype}), "
             f"{len(prog.plan.units)} units"
         )
-        print(table(prog, args.batch_size, args.seq_len, args.world_sizes, args.optimizer))
+        print(
+            table(
+                prog,
+                args.batch_size,
+                args.seq_len,
+                args.world_sizes,
+                args.optimizer,
+                hardware=hardware,
+            )
+        )
         for n in args.world_sizes:
             held = (
                 prog.for_world_size(n)

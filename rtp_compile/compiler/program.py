@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
@@ -15,8 +16,10 @@ from rtp_compile.codegen.emit import RankEmitter
 from rtp_compile.compiler.mesh import place_in
 from rtp_compile.compiler.report import report
 from rtp_compile.core.retarget_meta import retarget_meta
-from rtp_compile.cost.model import rtp_cost
+from rtp_compile.cost.hardware import load as load_hardware
+from rtp_compile.cost.model import rtp_cost, rtp_messages
 from rtp_compile.cost.profile import profile_of
+from rtp_compile.cost.time import rtp_time
 from rtp_compile.passes import plan_graph, write_steps
 from rtp_compile.passes.manager.context import Context, Options
 from rtp_compile.passes.plan import Plan
@@ -186,18 +189,37 @@ class RTPProgram:
         optimizer: str = "adamw",
         dtype: torch.dtype | None = None,
         example_kwargs: dict | None = None,
+        hardware=None,
     ):
         """Predicted per-rank bytes of one training step on a per-rank batch (`rtp_compile.cost`):
         a `Cost` with param/grad/optimizer/transient/activation/peak/traffic bytes and their
-        sympy expressions in N and A. `dtype`: the parameters' dtype if not theirs."""
-        return rtp_cost(
+        sympy expressions in N and A. `dtype`: the parameters' dtype if not theirs.
+        `hardware` (a `cost.hardware` name, JSON path or description): also the predicted
+        step time, `.step_time` (seconds; `.time` its parts)."""
+        profile = self.profile(batch_size, seq_len, example_kwargs)
+        cost = rtp_cost(
             self.plan,
-            self.profile(batch_size, seq_len, example_kwargs),
+            profile,
             optimizer,
             dtype,
             tuple(self.ctx.buckets.values()),
             self.ctx.precision,
         )
+        if hardware is None:
+            return cost
+        described = load_hardware(hardware)
+        messages = rtp_messages(
+            self.plan, self.ctx.buckets, self.world_size, dtype, self.ctx.precision
+        )
+        time = rtp_time(
+            self.plan,
+            profile,
+            messages,
+            self.ctx.buckets,
+            described.rates(self.world_size),
+            described.name,
+        )
+        return dataclasses.replace(cost, time=time)
 
     def profile(
         self, batch_size: int, seq_len: int | None = None, example_kwargs: dict | None = None

@@ -12,8 +12,12 @@ May import: `runtime` (precision) and `core`.
 
 from __future__ import annotations
 
+import dataclasses
+
 from rtp_compile.core.tables import format_table
-from rtp_compile.cost.model import Cost, ddp_cost, fsdp_blocks, fsdp_cost
+from rtp_compile.cost.hardware import load as load_hardware
+from rtp_compile.cost.model import Cost, ddp_cost, fsdp_blocks, fsdp_cost, rtp_messages
+from rtp_compile.cost.time import ddp_time, fsdp_time, rtp_time
 
 __all__ = ["Cost", "rtp", "ddp", "fsdp", "table"]
 
@@ -25,9 +29,10 @@ def rtp(
     optimizer: str = "adamw",
     dtype=None,
     example_kwargs=None,
+    hardware=None,
 ) -> Cost:
     """RTP's cost: the same as `prog.cost(...)`."""
-    return prog.cost(batch_size, seq_len, optimizer, dtype, example_kwargs)
+    return prog.cost(batch_size, seq_len, optimizer, dtype, example_kwargs, hardware)
 
 
 def ddp(
@@ -37,12 +42,18 @@ def ddp(
     optimizer: str = "adamw",
     dtype=None,
     example_kwargs=None,
+    hardware=None,
 ) -> Cost:
-    """DistributedDataParallel on the same model, ranks and per-rank batch."""
+    """DistributedDataParallel on the same model, ranks and per-rank batch (`hardware`: with
+    its predicted step time, as `prog.cost`)."""
     params = prog.ctx.params
-    return ddp_cost(
-        params, prog.profile(batch_size, seq_len, example_kwargs), prog.world_size, optimizer, dtype
-    )
+    profile = prog.profile(batch_size, seq_len, example_kwargs)
+    cost = ddp_cost(params, profile, prog.world_size, optimizer, dtype)
+    if hardware is None:
+        return cost
+    described = load_hardware(hardware)
+    time = ddp_time(params, profile, described.rates(prog.world_size), described.name)
+    return dataclasses.replace(cost, time=time)
 
 
 def fsdp(
@@ -52,18 +63,19 @@ def fsdp(
     optimizer: str = "adamw",
     dtype=None,
     example_kwargs=None,
+    hardware=None,
 ) -> Cost:
     """FSDP2 on the same model, `fully_shard` applied to each block of every nn.ModuleList
-    (each transformer layer) and then to the root."""
+    (each transformer layer) and then to the root (`hardware`: with its predicted step time)."""
     params = prog.ctx.params
-    return fsdp_cost(
-        params,
-        prog.profile(batch_size, seq_len, example_kwargs),
-        prog.world_size,
-        fsdp_blocks(list(params)),
-        optimizer,
-        dtype,
-    )
+    profile = prog.profile(batch_size, seq_len, example_kwargs)
+    blocks = fsdp_blocks(list(params))
+    cost = fsdp_cost(params, profile, prog.world_size, blocks, optimizer, dtype)
+    if hardware is None:
+        return cost
+    described = load_hardware(hardware)
+    time = fsdp_time(params, profile, blocks, described.rates(prog.world_size), described.name)
+    return dataclasses.replace(cost, time=time)
 
 
 def table(
@@ -74,54 +86,107 @@ def table(
     optimizer: str = "adamw",
     dtype=None,
     example_kwargs=None,
+    hardware=None,
 ) -> str:
     """DDP, FSDP2 and RTP side by side (GiB or MiB per rank), for each world size (default:
-    the program's), each with the plan made for it (`prog.for_world_size`)."""
+    the program's), each with the plan made for it (`prog.for_world_size`). With `hardware`
+    (a `cost.hardware` description): each kind's predicted step time and exposed
+    communication too, and where N spans more ranks than the description's first level holds
+    (a node), RTP on a 2-D mesh: its ring inside the node, replicas across."""
+    described = None if hardware is None else load_hardware(hardware)
 
     def costs(p):
         return [
-            f(p, batch_size, seq_len, optimizer, dtype, example_kwargs) for f in (ddp, fsdp, rtp)
+            f(p, batch_size, seq_len, optimizer, dtype, example_kwargs, described)
+            for f in (ddp, fsdp, rtp)
         ]
 
     peak = costs(prog)[0].peak_bytes
     unit, scale = ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20)
-    rows = [
-        (
-            "N",
-            "kind",
-            "params",
-            "grads",
-            "optimizer",
-            "activations",
-            "transient",
-            "peak",
-            "peak/FSDP2",
-            "traffic",
-        )
-    ]
+    head = (
+        "N",
+        "kind",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "transient",
+        "peak",
+        "peak/FSDP2",
+        "traffic",
+    )
+    rows = [head + (("step s", "exposed") if described else ())]
     for n in world_sizes or (prog.world_size,):
-        at = [c.at(n) for c in costs(prog.for_world_size(n))]
-        for c in at:
-            rows.append(
-                (
-                    str(n),
-                    c.kind,
-                    *[
-                        f"{getattr(c, f) / scale:.2f}"
-                        for f in (
-                            "param_bytes",
-                            "grad_bytes",
-                            "optimizer_bytes",
-                            "activation_bytes",
-                            "transient_bytes",
-                            "peak_bytes",
-                        )
-                    ],
-                    f"{c.peak_bytes / at[1].peak_bytes:.2f}",
-                    f"{c.traffic_bytes / scale:.2f}",
+        at = [_keep_time(c, n) for c in costs(prog.for_world_size(n))]
+        kinds = [c.kind for c in at]
+        node = described.levels[0].ranks if described else None
+        if described and node and n > node and n % node == 0:
+            at.append(
+                _two_d(
+                    prog, n, node, described, batch_size, seq_len, optimizer, dtype, example_kwargs
                 )
             )
-    return (
+            kinds.append(f"rtp 2-D {n // node}x{node}")
+        for kind, c in zip(kinds, at):
+            row = (
+                str(n),
+                kind,
+                *[
+                    f"{getattr(c, f) / scale:.2f}"
+                    for f in (
+                        "param_bytes",
+                        "grad_bytes",
+                        "optimizer_bytes",
+                        "activation_bytes",
+                        "transient_bytes",
+                        "peak_bytes",
+                    )
+                ],
+                f"{c.peak_bytes / at[1].peak_bytes:.2f}",
+                f"{c.traffic_bytes / scale:.2f}",
+            )
+            if described and c.time is not None:
+                row += (f"{c.time.step_s:.3g}", f"{c.time.exposed_s / c.time.step_s:.0%}")
+            rows.append(row)
+    lines = [
         f"{unit} per rank and training step, per-rank batch {batch_size}"
-        f"{f'x{seq_len}' if seq_len else ''}, {optimizer}\n{format_table(rows)}"
+        f"{f'x{seq_len}' if seq_len else ''}, {optimizer}",
+        format_table(rows),
+    ]
+    if described:
+        lines += [
+            f"time model: {described.assumptions(n)}" for n in world_sizes or (prog.world_size,)
+        ]
+    return "\n".join(lines)
+
+
+def _keep_time(cost: Cost, n: int) -> Cost:
+    """`cost.at(n)` (its numbers at n) with its step time."""
+    return dataclasses.replace(cost.at(n), time=cost.time)
+
+
+def _two_d(prog, n, node, described, batch_size, seq_len, optimizer, dtype, example_kwargs):
+    """RTP on a 2-D mesh of n ranks: rings of `node` ranks inside the nodes, n / node replicas
+    across. Memory: the ring's plan (shards of 1/node); time: its step, with the replicas'
+    all-reduce of the shards' gradients across the nodes."""
+    ring = prog.for_world_size(node)
+    cost = ring.cost(batch_size, seq_len, optimizer, dtype, example_kwargs)
+    profile = ring.profile(batch_size, seq_len, example_kwargs)
+    messages = rtp_messages(ring.plan, ring.ctx.buckets, node, dtype, ring.ctx.precision)
+    time = rtp_time(
+        ring.plan,
+        profile,
+        messages,
+        ring.ctx.buckets,
+        described.rates(node),
+        described.name,
+        replicas=n // node,
+        across=described.across_nodes(n // node, node),
+    )
+    replicas = n // node
+    return dataclasses.replace(
+        cost,
+        world_size=n,
+        traffic_bytes=int(cost.traffic_bytes + 2 * (replicas - 1) / replicas * cost.grad_bytes),
+        time=dataclasses.replace(time, world_size=n),
     )

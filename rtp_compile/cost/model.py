@@ -24,6 +24,7 @@ import torch
 
 from rtp_compile.core.ir import UnitKind
 from rtp_compile.cost.profile import Profile
+from rtp_compile.cost.time import StepTime
 from rtp_compile.runtime.precision import Precision
 
 N, A = sympy.symbols("N A", positive=True, integer=True)
@@ -45,6 +46,12 @@ class Cost:
     peak_bytes: int
     traffic_bytes: int
     expressions: dict[str, sympy.Expr] = field(default_factory=dict, repr=False)
+    time: StepTime | None = None  # the time model's step, where a hardware was given
+
+    @property
+    def step_time(self) -> float | None:
+        """Predicted seconds of the step (`time`: its parts), None without a hardware."""
+        return None if self.time is None else self.time.step_s
 
     FIELDS = (
         "param_bytes",
@@ -58,7 +65,8 @@ class Cost:
 
     def at(self, world_size: int) -> Cost:
         """These expressions evaluated for another number of ranks: the same plan with
-        shards of that size (`prog.for_world_size(n).cost(...)` plans for n itself)."""
+        shards of that size (`prog.for_world_size(n).cost(...)` plans for n itself); no step
+        time (that needs the plan for n)."""
         return _evaluate(self.kind, world_size, self.expressions, self.activation_bytes)
 
     def __str__(self) -> str:
@@ -73,7 +81,9 @@ class Cost:
         width = [max(len(r[i]) for r in rows) for i in range(2)]
         head = f"{self.kind} cost per rank, N={self.world_size} (MiB; A = activation bytes)"
         return "\n".join(
-            [head] + [f"  {a.ljust(width[0])}  {b.rjust(width[1])}   {c}" for a, b, c in rows]
+            [head]
+            + [f"  {a.ljust(width[0])}  {b.rjust(width[1])}   {c}" for a, b, c in rows]
+            + ([f"  {self.time}"] if self.time is not None else [])
         )
 
 
@@ -182,6 +192,51 @@ def _state(param_exprs: dict[str, sympy.Expr], n_params: int, optimizer: str):
     return params, params, states * params + steps
 
 
+def _ring_dtypes(plan, dtype, precision: Precision):
+    """Parameter -> the dtype its weights rotate in, and the one its gradients are summed in."""
+    stored = {n: dtype or lay.dtype for n, lay in plan.params.items()}
+    return (
+        {n: precision.compute(d) for n, d in stored.items()},
+        {n: precision.reduce(d) for n, d in stored.items()},
+    )
+
+
+def _message(plan, names, dtypes) -> sympy.Expr:
+    """One flat message of the shards of `names` in `dtypes` (weights: as they rotate)."""
+    message = sympy.Add(*[_layout_expr(plan.params[n], dtypes[n].itemsize) for n in names])
+    if len({dtypes[n] for n in names}) > 1:  # aligned byte message
+        message += 16 * len(names)
+    return message
+
+
+def rtp_messages(
+    plan, buckets: dict, world_size: int, dtype=None, precision: Precision = Precision()
+) -> dict[str, tuple[float, float]]:
+    """Unit or bucket name (and "small": all small units) -> bytes of its weight message and of
+    its gradient message, one hop each, at `world_size` (what `rtp_cost` counts as traffic)."""
+    rotating, reducing = _ring_dtypes(plan, dtype, precision)
+
+    def both(names) -> tuple[float, float]:
+        return tuple(  # type: ignore[return-value]
+            float(_message(plan, names, d).subs(N, world_size)) for d in (rotating, reducing)
+        )
+
+    units = {u.name: u for u in plan.units}
+    out = {
+        b: both([p for m in members for p in units[m].params.values()])
+        for b, members in buckets.items()
+    }
+    small = list(
+        dict.fromkeys(p for u in plan.units if u.kind == UnitKind.SMALL for p in u.params.values())
+    )
+    if small:
+        out["small"] = both(small)
+    for u in plan.units:
+        if u.kind != UnitKind.SMALL:
+            out[u.name] = both(list(u.params.values()))
+    return out
+
+
 def rtp_cost(
     plan,
     profile: Profile,
@@ -202,9 +257,7 @@ def rtp_cost(
     accumulators in the reduce dtype; the state stays in the parameters' dtype."""
     element = {n: (dtype or lay.dtype).itemsize for n, lay in plan.params.items()}
     shard = {n: _layout_expr(lay, element[n]) for n, lay in plan.params.items()}
-    stored = {n: dtype or lay.dtype for n, lay in plan.params.items()}
-    rotating = {n: precision.compute(d) for n, d in stored.items()}
-    reducing = {n: precision.reduce(d) for n, d in stored.items()}
+    rotating, reducing = _ring_dtypes(plan, dtype, precision)
     params, grads, opt = _state(shard, len(plan.params), optimizer)
     ring = sympy.Min(N - 1, 1)  # one rank has no ring: nothing in flight
     forward_units, backward_units, traffic = [], [], sympy.Integer(0)
@@ -213,11 +266,7 @@ def rtp_cost(
         return {p for n in names for p in profile.uses.get(n, [])}
 
     def message_of(names, dtypes=rotating):
-        """One flat message of the shards of `names` in `dtypes` (weights: as they rotate)."""
-        message = sympy.Add(*[_layout_expr(plan.params[n], dtypes[n].itemsize) for n in names])
-        if len({dtypes[n] for n in names}) > 1:  # aligned byte message
-            message += 16 * len(names)
-        return message
+        return _message(plan, names, dtypes)
 
     def full_of(names):
         return sum(math.prod(plan.params[n].shape) * rotating[n].itemsize for n in names)
@@ -312,7 +361,8 @@ def fsdp_cost(
     """FSDP2 (`fully_shard` per block, then the root): 1/N of every parameter, gradient and
     optimizer state (each cut evenly on dim 0); a block's parameters all-gathered while the
     next one's are prefetched, in backward also its unsharded gradients before the
-    reduce-scatter. Traffic: all-gather forward and backward, reduce-scatter."""
+    reduce-scatter. Traffic: all-gather forward and backward, reduce-scatter (the root's
+    parameters, unsharded from forward to backward, are gathered once)."""
     element = {n: (dtype or p.dtype).itemsize for n, p in params.items()}
     shard = {
         n: sympy.ceiling(sympy.Integer(p.shape[0] if p.dim() else 1) / N)
@@ -343,7 +393,7 @@ def fsdp_cost(
         "optimizer_bytes": opt,
         "transient_bytes": sympy.Max(*[b for _, b in backward_units]),
         "activation_bytes": A,
-        "traffic_bytes": 3 * (N - 1) / N * total,
+        "traffic_bytes": (N - 1) / N * (3 * total - sizes[-1]),  # the root: gathered once
     }
     forward = _curve(profile, shard, _buffers_at(forward_units), backward=False)
     backward = (

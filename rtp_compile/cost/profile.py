@@ -9,26 +9,40 @@ from __future__ import annotations
 import copy
 import operator
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from rtp_compile.capture.repeats import CAPTURED, Copies
 from rtp_compile.core.retarget_meta import retarget_meta
 
 
 # -- what the unsharded model does on one batch, on fake tensors --------------------------
+@dataclass(frozen=True, slots=True)
+class OpWork:
+    """What one aten op of the forward does: floating-point operations (torch's flop counter:
+    matmuls, convolutions, attention; 0 for the rest), bytes it reads and writes (0 for a view),
+    the element size it computes in, and the parameters it reads."""
+
+    flops: float
+    bytes: float
+    itemsize: int
+    reads: tuple[str, ...]
+
+
 @dataclass
 class Profile:
-    """The order in which a forward saves activations and uses parameters."""
+    """The order in which a forward saves activations and uses parameters, and its ops' work."""
 
     saved: list[int]  # bytes first saved, in order
     uses: dict[str, list[int]]  # parameter -> the points (len(saved) then) it is read at
     output_bytes: int
+    ops: list[OpWork] = field(default_factory=list)  # the forward's aten ops, in order
 
     @property
     def last_use(self) -> dict[str, int]:
@@ -41,19 +55,48 @@ class Profile:
 
 
 class _ParamUse(TorchDispatchMode):
-    """Records, in op order, which parameters each op reads (by storage)."""
+    """Records, in op order, which parameters each op reads (by storage): ("use", name) events,
+    then the op's ("op", (flops, bytes, itemsize)) (its reads: the uses since the last op)."""
 
     def __init__(self, storages: dict[int, str], events: list):
         super().__init__()
         self.storages, self.events = storages, events
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor):
-                name = self.storages.get(t.untyped_storage()._cdata)
-                if name is not None:
-                    self.events.append(("use", name))
-        return func(*args, **(kwargs or {}))
+        tensors = [
+            t
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        ]
+        for t in tensors:
+            name = self.storages.get(t.untyped_storage()._cdata)
+            if name is not None:
+                self.events.append(("use", name))
+        out = func(*args, **(kwargs or {}))
+        if func.namespace != "prim":  # metadata queries, no kernel
+            self.events.append(("op", _work(func, args, kwargs or {}, out, tensors)))
+        return out
+
+
+def _flops_of(func):
+    """torch's flop formula for an op (the CPU flash attention as the fused one), or None."""
+    packet = func.overloadpacket
+    if packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        packet = torch.ops.aten._scaled_dot_product_flash_attention
+    return flop_registry.get(packet)
+
+
+def _work(func, args, kwargs, out, tensors) -> tuple[float, float, int]:
+    """(flops, bytes read and written, element size) of one op; a view (every output aliases
+    an input) moves no bytes."""
+    formula = _flops_of(func)
+    flops = float(formula(*args, **kwargs, out_val=out)) if formula else 0.0
+    outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    inputs = {t.untyped_storage()._cdata for t in tensors}
+    view = all(t.untyped_storage()._cdata in inputs for t in outs)
+    moved = 0.0 if view else float(sum(t.nbytes for t in tensors + outs))
+    floating = [t for t in tensors if t.is_floating_point()] or outs or tensors
+    return flops, moved, floating[0].element_size() if floating else 4
 
 
 def profile_forward(
@@ -181,12 +224,19 @@ def _profile(events: list, out_bytes: int, loss_keeps_output: bool) -> Profile:
         events = [*events, ("save", out_bytes)]
     saved: list[int] = []
     uses: dict[str, list[int]] = {}
+    ops: list[OpWork] = []
+    reads: list[str] = []
     for kind, value in events:
         if kind == "save":
             saved.append(value)
-        elif len(saved) not in uses.setdefault(value, []):
-            uses[value].append(len(saved))
-    return Profile(saved, uses, out_bytes)
+        elif kind == "op":
+            ops.append(OpWork(*value, tuple(dict.fromkeys(reads))))
+            reads = []
+        else:
+            reads.append(value)
+            if len(saved) not in uses.setdefault(value, []):
+                uses[value].append(len(saved))
+    return Profile(saved, uses, out_bytes, ops)
 
 
 def _meta_to_cpu(module):
