@@ -190,3 +190,48 @@ def test_step_time_is_none_without_hardware_and_kept_by_replace():
     timed = prog.cost(BATCH, SEQ, hardware=_described())
     assert timed.step_time == timed.time.step_s > 0
     assert dataclasses.replace(timed).step_time == timed.step_time
+
+
+# -- bucket_bytes="auto" -------------------------------------------------------------------
+def _auto(described, n=4, **opts):
+    torch.manual_seed(0)
+    x = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ))
+    return rtp_compile.transform(
+        TinyGPT(CONFIG), n, example_inputs=(x,), bucket_bytes="auto", hardware=described, **opts
+    )
+
+
+def test_auto_buckets_take_the_fastest_predicted_size_within_the_budget():
+    prog = _auto(_described())
+    choice = prog.ctx.bucket_choice
+    sizes = [size for size, _, _ in choice.candidates]
+    assert 0 in sizes and max(sizes) == choice.budget
+    best = min(choice.candidates, key=lambda c: (c[2], c[0]))
+    assert choice.chosen == best[0]
+    fixed = rtp_compile.transform(
+        TinyGPT(CONFIG),
+        4,
+        example_inputs=(torch.zeros(BATCH, SEQ, dtype=torch.long),),
+        bucket_bytes=choice.chosen,
+    )
+    assert prog.ctx.buckets == fixed.ctx.buckets  # the same buckets as that size given
+    assert "chosen" in str(choice)
+
+
+def test_auto_buckets_follow_the_link_latency():
+    """Slow messages (10 ms each): buckets (fewer hops) beat none, and the smallest size that
+    is fastest is chosen; with free messages buckets gain nothing, and none are chosen."""
+    slow = _auto(_described(latency_s=1e-2), max_bytes_in_flight=2**26)
+    steps = {size: step for size, _, step in slow.ctx.bucket_choice.candidates}
+    chosen = slow.ctx.bucket_choice.chosen
+    assert steps[chosen] < 0.8 * steps[0] and slow.ctx.buckets
+    assert chosen == min(size for size, step in steps.items() if step == min(steps.values()))
+    quick = _auto(_described(latency_s=0.0, bandwidth=1e15, rtp_step_overhead_s=0.0))
+    assert quick.ctx.bucket_choice.chosen == 0 and not quick.ctx.buckets
+
+
+def test_auto_buckets_need_the_captured_batch():
+    with pytest.raises(ValueError, match="example_inputs"):
+        rtp_compile.transform(TinyGPT(CONFIG), 2, bucket_bytes="auto", hardware=_described())
+    with pytest.raises(ValueError, match="auto"):
+        rtp_compile.transform(TinyGPT(CONFIG), 2, bucket_bytes="big")

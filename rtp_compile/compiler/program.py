@@ -13,6 +13,7 @@ from torch import nn
 
 from rtp_compile.capture.trace import capture
 from rtp_compile.codegen.emit import RankEmitter
+from rtp_compile.compiler.auto_buckets import chooser
 from rtp_compile.compiler.mesh import place_in
 from rtp_compile.compiler.report import report
 from rtp_compile.core.retarget_meta import retarget_meta
@@ -264,4 +265,6 @@ def compile_program(
         cast_inputs=policy is None or policy.cast_forward_inputs,
     )
     ctx = Context.of(captured, world_size, options)
+    if options.bucket_bytes == "auto":
+        ctx.bucket_chooser = chooser(options.hardware)
     return RTPProgram.compile(ctx, captured.gm)

@@ -19,11 +19,12 @@ def transform(
     fuse_padding: float = 0.02,
     small_param_bytes: int = 65536,
     max_bytes_in_flight: int | None = None,
-    bucket_bytes: int | None = None,
+    bucket_bytes: int | str | None = None,
     mp_policy=None,
     disable=(),
     debug: bool = False,
     fixed_layouts=(),
+    hardware=None,
 ) -> RTPProgram:
     """Compile `model` for `world_size` ranks; needs no process group.
 
@@ -54,7 +55,10 @@ def transform(
         bucket_bytes: consecutive rotated and fused units share one ring message per step (a
             bucket, the `bucket_units` pass) while their weights' full bytes fit in it; a
             bucket's later units keep what passes until they compute, as FSDP2 holds a block
-            (default None: what the bucket's largest unit would hold gathered; 0: no buckets).
+            (default None: what the bucket's largest unit would hold gathered; 0: no buckets;
+            "auto": the size the time model predicts fastest on `hardware` for the captured
+            batch, holding at most `max_bytes_in_flight` or else the default's bound; what
+            it compared is `prog.ctx.bucket_choice`).
         mp_policy: a `torch.distributed.fsdp.MixedPrecisionPolicy`, as FSDP2 takes it: the
             shards (what `gm.parameters()` gives the optimizer) stay in the model's dtype;
             forward and backward compute, and the weights rotate, in `param_dtype`; gradients
@@ -68,6 +72,9 @@ def transform(
             already sharded elsewhere, which keep that layout (what `rtp_compile.shard` and the
             compile backend pass; a use that cannot shard along it is gathered, a block that
             would cut it otherwise is not fused).
+        hardware: the `rtp_compile.cost.hardware` description (a name, a JSON path) that
+            `bucket_bytes="auto"` plans for (default: this machine's, calibrated; a GPU
+            cluster's where CUDA is available).
 
     Raises:
         CaptureError: the model cannot be captured (the message says why and what to pass).
@@ -84,5 +91,6 @@ def transform(
         debug,
         mp_policy,
         fixed_layouts,
+        hardware,
     )
     return compile_program(model, world_size, example_inputs, example_kwargs, options)

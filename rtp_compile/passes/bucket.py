@@ -12,7 +12,9 @@ reduce-scattered in one message per hop after its last unit's backward (the sche
 writes the steps, `runtime.bucket` runs them).
 
 `ctx.options.bucket_bytes` bounds what a bucket holds gathered: N times its message, i.e. the
-full bytes of its weights, padding included (0: no buckets, every unit its own messages).
+full bytes of its weights, padding included (0: no buckets, every unit its own messages;
+"auto": the bound `ctx.bucket_chooser` picks among the groupings `group_units` makes, which the
+compiler sets to the time model's fastest under the memory budget).
 
 Invariant: every bucket has at least two units, each a rotated or fused unit in at most one
 bucket; a bucket's units follow each other in the graph with no other rotated or fused unit
@@ -65,12 +67,19 @@ def checkpoint_regions(gm: fx.GraphModule) -> dict[str, int | None]:
     }
 
 
+def default_budget(ctx, units) -> int:
+    """What the largest unit holds gathered (N times its message): by default no bucket holds
+    more than its largest unit would whole."""
+    return ctx.world_size * max((bucket_message_bytes(ctx.plan, [u]) for u in units), default=0)
+
+
 def bucket_budget(ctx, units) -> int:
-    """`bucket_bytes`, or by default what the largest unit holds gathered (N times its
-    message): no bucket holds more than its largest unit would whole."""
+    """`bucket_bytes`, the chosen one where it is "auto", or by default `default_budget`."""
+    if ctx.options.bucket_bytes == "auto":
+        return ctx.bucket_choice.chosen
     if ctx.options.bucket_bytes is not None:
         return ctx.options.bucket_bytes
-    return ctx.world_size * max((bucket_message_bytes(ctx.plan, [u]) for u in units), default=0)
+    return default_budget(ctx, units)
 
 
 def _check(gm: fx.GraphModule, ctx) -> None:
@@ -99,16 +108,13 @@ def _check(gm: fx.GraphModule, ctx) -> None:
             raise InvariantError(f"bucket {name} holds {held} bytes, over bucket_bytes {budget}")
 
 
-@graph_pass(check=_check, plans_only=True)
-def bucket_units(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    """Group consecutive rotated and fused units, greedily in graph order, into
-    `ctx.buckets` (name -> unit names) while what a bucket holds fits `bucket_bytes` and
-    its parameters share a dtype; units of tied weights stay alone."""
+def group_units(gm: fx.GraphModule, ctx, budget: int) -> dict[str, tuple[str, ...]]:
+    """The buckets (name -> unit names) of consecutive rotated and fused units, greedily in
+    graph order, while what a bucket holds fits `budget` and its parameters share a dtype and
+    an activation checkpoint; units of tied weights stay alone."""
     n, units = ctx.world_size, rotating_units_in_order(gm, ctx)
-    budget = bucket_budget(ctx, units)
-    ctx.buckets = {}
     if n == 1 or budget == 0:
-        return gm
+        return {}
     runs: list[list] = [[]]
     tied, regions = _tied(ctx.plan), checkpoint_regions(gm)
     for unit in units:
@@ -123,7 +129,16 @@ def bucket_units(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         ):
             runs.append([])
         runs[-1].append(unit)
-    for run in runs:
-        if len(run) > 1:
-            ctx.buckets[f"{run[0].name}_bucket"] = tuple(u.name for u in run)
+    return {f"{run[0].name}_bucket": tuple(u.name for u in run) for run in runs if len(run) > 1}
+
+
+@graph_pass(check=_check, plans_only=True)
+def bucket_units(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """`ctx.buckets` = `group_units` at `bucket_bytes` (with "auto": at the size
+    `ctx.bucket_chooser` picks, recorded in `ctx.bucket_choice`)."""
+    if ctx.options.bucket_bytes == "auto" and ctx.bucket_choice is None:
+        if ctx.bucket_chooser is None:
+            raise InvariantError('bucket_bytes="auto" needs a bucket_chooser in the context')
+        ctx.bucket_choice = ctx.bucket_chooser(ctx, lambda budget: group_units(gm, ctx, budget))
+    ctx.buckets = group_units(gm, ctx, bucket_budget(ctx, rotating_units_in_order(gm, ctx)))
     return gm

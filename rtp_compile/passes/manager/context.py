@@ -8,6 +8,7 @@ with, so every later step (codegen, cost, state dicts) reads the same record.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,8 @@ class Options:
     of the largest unit's messages, what one unit alone holds; 0: never).
     `bucket_bytes`: consecutive rotated and fused units share one ring message per step while
     their weights (full size) fit this many bytes; a bucket is held gathered through its
-    forward and its backward, like an FSDP2 block (0: none).
+    forward and its backward, like an FSDP2 block (0: none; "auto": the size the context's
+    `bucket_chooser` picks).
     `disable`: names of passes to skip (`rtp_compile.passes.PIPELINE`). `debug`: log every
     pass's graph diff at INFO through `logging.getLogger("rtp_compile")` and keep the code
     before and after each pass in `prog.pass_log`. `mp_policy`: FSDP2's
@@ -51,11 +53,12 @@ class Options:
     fuse_padding: float = 0.02
     small_param_bytes: int = 65536
     max_bytes_in_flight: int | None = None
-    bucket_bytes: int | None = None
+    bucket_bytes: int | str | None = None
     disable: tuple[str, ...] = ()
     debug: bool = False
     mp_policy: MixedPrecisionPolicy | None = None
     fixed_layouts: tuple[tuple[str, int | None, int], ...] = ()
+    hardware: object = None  # bucket_bytes="auto": the `cost.hardware` description it plans for
 
     def __post_init__(self):
         if self.grad_reduction not in ("mean", "sum"):
@@ -81,14 +84,14 @@ class Options:
                 f"rtp_compile.transform: small_param_bytes must be an int >= 0, "
                 f"got {self.small_param_bytes!r}"
             )
-        if self.bucket_bytes is not None and (
+        if self.bucket_bytes not in (None, "auto") and (
             isinstance(self.bucket_bytes, bool)
             or not isinstance(self.bucket_bytes, int)
             or self.bucket_bytes < 0
         ):
             raise ValueError(
-                f"rtp_compile.transform: bucket_bytes must be None or an int >= 0, "
-                f"got {self.bucket_bytes!r}"
+                f'rtp_compile.transform: bucket_bytes must be None, "auto" or an int '
+                f">= 0, got {self.bucket_bytes!r}"
             )
         if self.max_bytes_in_flight is not None and (
             isinstance(self.max_bytes_in_flight, bool)
@@ -140,7 +143,9 @@ class Context:
     world size's program starts from it). Passes: `plan` (plan_sharding, fuse_blocks),
     `bodies` (rotate: the graph a fused or gathered unit runs), `schedules` (schedule: each
     unit's message tags and backward events), `buckets` (bucket_units: name -> the units that
-    share its messages), `pass_log` (the runner: what each pass changed).
+    share its messages; with `bucket_bytes="auto"`, `bucket_chooser(ctx, group)` picks the
+    size, given `group(budget)` -> the buckets of that size, and `bucket_choice` records what
+    it compared), `pass_log` (the runner: what each pass changed).
     Later passes add their fields here (device mesh, dtypes, buckets)."""
 
     world_size: int
@@ -158,6 +163,8 @@ class Context:
     schedules: dict[str, UnitSchedule] = field(default_factory=dict, repr=False)
     buckets: dict[str, tuple[str, ...]] = field(default_factory=dict)
     pass_log: list[PassRecord] = field(default_factory=list, repr=False)
+    bucket_chooser: Callable | None = field(default=None, repr=False)
+    bucket_choice: object | None = None
 
     @classmethod
     def of(cls, captured, world_size: int, options: Options) -> Context:
@@ -186,6 +193,7 @@ class Context:
             schedules={},
             buckets={},
             pass_log=[],
+            bucket_choice=None,
         )
 
     def fresh_graph(self) -> fx.GraphModule:
