@@ -111,7 +111,7 @@ def test_buckets_follow_the_budget_dtype_and_ties():
             <= 6000
         )
     assert len(small.ctx.buckets) > len(prog.ctx.buckets)
-    with pytest.raises(ValueError, match="bucket_bytes must be None or an int >= 0"):
+    with pytest.raises(ValueError, match='bucket_bytes must be None, "auto" or an int >= 0'):
         rtp_compile.transform(model, 2, bucket_bytes=-1)
 
 
