@@ -40,6 +40,7 @@ from rtp_compile.runtime.launch import launch
 DEFAULT_OUT = "benchmarks/out/hardware-this-cpu.json"
 KIB, MIB = 1024, 1024 * 1024
 MATMUL_SHAPES = [(512, 384, 1152), (512, 384, 384), (512, 1536, 384)]  # M, K, N of a small GPT
+STALL_S = 2e-3  # a communication call this slow waited for something (gloo here: ~4 ms)
 BANDWIDTH_BYTES = 16 * MIB  # each of the elementwise op's three tensors
 OP_CHAIN = 64  # tiny ops per forward of the dispatch measurement
 COMMS = ("ring_hop", "all_reduce", "all_gather", "reduce_scatter")
@@ -176,8 +177,8 @@ def measure_rank(rank: int, world_size: int, s: Settings) -> dict:
     out["memory_bandwidth"] = _memory_bandwidth(s)
     dist.barrier()
     out["op_overhead_s"] = _op_overhead(s)
-    # Rounds over every op and size, so that a stretch of stalls (gloo's waits take ~4 ms
-    # now and then on a 2-core VM, pipes and raw TCP don't) is spread over them all.
+    # Rounds over every op and size, so that a stretch of stalls (on a 2-core VM, idle, 15-20%
+    # of gloo's hops take ~4 ms; pipes and raw TCP don't) is spread over them all.
     calls = {
         (op, nbytes): _comm_fn(op, nbytes, rank, world_size) for op in COMMS for nbytes in s.sizes
     }
@@ -191,26 +192,41 @@ def measure_rank(rank: int, world_size: int, s: Settings) -> dict:
         keys = [(op, nbytes) for nbytes in s.sizes]
         medians = [statistics.median(times[key]) for key in keys]
         out[op] = [[calls[key][1], median] for key, median in zip(keys, medians)]
-        slow = sum(sum(t > 3 * m for t in times[key]) for key, m in zip(keys, medians))
+        out[f"{op}_mean"] = [[calls[key][1], statistics.mean(times[key])] for key in keys]
+        slow = sum(sum(t > STALL_S for t in times[key]) for key in keys)
         out[f"{op}_slow"] = slow / sum(len(times[key]) for key in keys)
     return out
 
 
+MIN_SECONDS_PER_BYTE = 1e-12  # a slope the sizes could not resolve: 1 TB/s, noted
+
+
 def fit_line(points: Sequence[Sequence[float]]) -> tuple[float, float, list[str]]:
     """seconds = a + b * bytes through `points` ([bytes, seconds], ...), least squares on the
-    relative error (weights 1 / seconds: the small messages decide a, the large ones b); a
-    negative a is clamped to 0 with b refitted through the origin. Returns a, b and what was
+    relative error (weights 1 / seconds: the small messages decide a, the large ones b). A
+    negative a is clamped to 0 with b refitted through the origin; a slope <= 0 (times that do
+    not grow with the size) to MIN_SECONDS_PER_BYTE with a refitted. Returns a, b and what was
     clamped."""
     x = np.array([p[0] for p in points], dtype=float)
     y = np.array([p[1] for p in points], dtype=float)
-    w = 1.0 / y
-    design = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
-    (a, b), *_ = np.linalg.lstsq(design, y * w, rcond=None)
+    w2 = 1.0 / y**2
+    design = np.stack([np.ones_like(x), x], axis=1) / y[:, None]
+    (a, b), *_ = np.linalg.lstsq(design, np.ones_like(y), rcond=None)
     notes = []
-    if a < 0 or b <= 0:
-        notes.append(f"fit a = {a:.3g} s, b = {b:.3g} s/B clamped: a = 0, b through the origin")
-        a = 0.0
-        b = float(np.sum(w * w * x * y) / np.sum(w * w * x * x))
+    if b <= 0:
+        b_fixed = MIN_SECONDS_PER_BYTE
+        a_fixed = max(0.0, float(np.sum(w2 * (y - b_fixed * x)) / np.sum(w2)))
+        notes.append(
+            f"fit a = {a:.3g} s, b = {b:.3g} s/B: the times do not grow with the size; "
+            f"clamped to b = {b_fixed:g} s/B, a = {a_fixed:.3g} s"
+        )
+        a, b = a_fixed, b_fixed
+    elif a < 0:
+        b_origin = float(np.sum(w2 * x * y) / np.sum(w2 * x * x))
+        notes.append(
+            f"fit a = {a:.3g} s clamped to 0, b refitted through the origin: {b_origin:.3g} s/B"
+        )
+        a, b = 0.0, b_origin
     return float(a), float(b), notes
 
 
@@ -298,8 +314,33 @@ def _median_over_ranks(ranks: list[dict]) -> dict:
             [ranks[0][op][i][0], statistics.median(r[op][i][1] for r in ranks)]
             for i in range(len(ranks[0][op]))
         ]
+        out[f"{op}_mean"] = [
+            [ranks[0][op][i][0], statistics.median(r[f"{op}_mean"][i][1] for r in ranks)]
+            for i in range(len(ranks[0][op]))
+        ]
         out[f"{op}_slow"] = statistics.mean(r[f"{op}_slow"] for r in ranks)
     return out
+
+
+BUSY_WARNING = 0.25  # other work on this share of the cores makes the timings suspect
+
+
+def cpu_busy(seconds: float = 0.5) -> float | None:
+    """The share of the machine's cores busy (user, system, interrupts, steal) over the next
+    `seconds`, from /proc/stat, while this process sleeps: other work competing for the cores;
+    None where there is no /proc/stat."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in pathlib.Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 1 - (idle1 - idle0) / max(1, total1 - total0)
 
 
 def _reduce_scatter_note() -> str:
@@ -335,9 +376,13 @@ def run(
     notes: list[str] = []
     measured: dict[str, dict] = {}
     raw: dict[int, dict] = {}
+    busy = {}
     for n in world_sizes:
+        busy[f"before N={n}"] = cpu_busy()
         raw[n] = _median_over_ranks(launch(measure_rank, n, args=(s,), timeout=300))
+    busy["before the runtime overhead"] = cpu_busy()
     overhead = _rtp_overhead_fresh(world_sizes, quick)
+    busy["after"] = cpu_busy()
     for n in world_sizes:
         one = raw[n]
         entry: dict = {k: one[k] for k in ("matmul_flops", "memory_bandwidth", "op_overhead_s")}
@@ -345,10 +390,12 @@ def run(
             a, b, clamped = fit_line(one[op])
             entry[op] = [a, b]
             notes += [f"N={n} {op}: {c}" for c in clamped]
+            mean_a, mean_b, _ = fit_line(one[f"{op}_mean"])
             notes.append(
                 f"N={n} {op}: fit within {100 * _worst_residual(one[op], a, b):.0f}% of the "
                 f"measured medians; {100 * one[f'{op}_slow']:.0f}% of the timed calls took over "
-                "3 x their size's median"
+                f"{1e3 * STALL_S:g} ms; the means (stalls included) fit a = {mean_a:.3g} s, "
+                f"b = {mean_b:.3g} s/B"
             )
         step_s = overhead[n]["rtp_step_overhead_s"]
         if step_s <= 0:
@@ -385,6 +432,9 @@ def run(
             f"{1e3 * overhead[n]['unsharded_s']:.2f} ms"
             for n in world_sizes
         ),
+        "other work on the machine (share of the cores busy over 0.5 s while calibrate "
+        "slept): "
+        + ", ".join(f"{k} {'?' if v is None else f'{100 * v:.0f}%'}" for k, v in busy.items()),
         f"top-level compute, levels and runtime: N={world_sizes[0]}"
         + (" (--quick: few sizes and repeats)" if quick else ""),
         f"measured in {time.perf_counter() - start:.0f} s",
@@ -405,8 +455,17 @@ def run(
     }
     path = pathlib.Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(hardware, indent=2) + "\n")
     print(_table(measured, raw))
+    crowded = {k: v for k, v in busy.items() if v is not None and v > BUSY_WARNING}
+    if crowded:
+        notes.append(
+            "warning: other processes kept the cores busy ("
+            + ", ".join(f"{k} {100 * v:.0f}%" for k, v in crowded.items())
+            + "): the timings, communication's most, may include waits for a core; "
+            "calibrate on an idle machine"
+        )
+        print(notes[-1])
+    path.write_text(json.dumps(hardware, indent=2) + "\n")
     print(f"hardware description written: {path}")
     return hardware
 
@@ -428,13 +487,25 @@ def _table(measured: dict[str, dict], raw: dict[int, dict]) -> str:
         rows.append([f"{op} GB/s (1/b)"] + [_fmt(1 / measured[n][op][1], 1e-9) for n in ns])
         for nbytes, _ in raw[int(ns[0])][op][:: max(1, len(raw[int(ns[0])][op]) // 3)]:
             rows.append(
-                [f"  {op} {_bytes(nbytes)} ms (measured)"]
-                + [_fmt(next(t for b, t in raw[int(n)][op] if _near(b, nbytes)), 1e3) for n in ns]
+                [f"  {op} {_bytes(nbytes)} ms, median / mean"]
+                + [
+                    f"{_at(raw[int(n)][op], nbytes)} / {_at(raw[int(n)][f'{op}_mean'], nbytes)}"
+                    for n in ns
+                ]
             )
+        rows.append(
+            [f"  {op} calls over {1e3 * STALL_S:g} ms"]
+            + [f"{100 * raw[int(n)][f'{op}_slow']:.0f}%" for n in ns]
+        )
     rows.append(
         ["rtp unit-step overhead us"] + [_fmt(measured[n]["rtp_step_overhead_s"], 1e6) for n in ns]
     )
     return format_table(rows)
+
+
+def _at(points: list[list], nbytes: int) -> str:
+    """The milliseconds of the point at about `nbytes`."""
+    return _fmt(next(t for b, t in points if _near(b, nbytes)), 1e3)
 
 
 def _near(a: int, b: int) -> bool:
