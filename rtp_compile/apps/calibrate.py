@@ -23,6 +23,7 @@ import json
 import math
 import os
 import pathlib
+import resource
 import socket
 import statistics
 import subprocess
@@ -167,6 +168,8 @@ def measure_rank(rank: int, world_size: int, s: Settings) -> dict:
     seconds at each message size ([[bytes, seconds], ...])."""
     torch.manual_seed(rank)
     out: dict = {"matmul_flops": {}}
+    dist.barrier()
+    stat, cpu = proc_stat(), time.process_time()  # what else ran meanwhile, in the end
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         dist.barrier()  # every rank computes at once, as in training
         try:
@@ -195,6 +198,9 @@ def measure_rank(rank: int, world_size: int, s: Settings) -> dict:
         out[f"{op}_mean"] = [[calls[key][1], statistics.mean(times[key])] for key in keys]
         slow = sum(sum(t > STALL_S for t in times[key]) for key in keys)
         out[f"{op}_slow"] = slow / sum(len(times[key]) for key in keys)
+    out["cpu_s"] = time.process_time() - cpu  # this rank's threads, gloo's included
+    dist.barrier()
+    out["stat"] = [stat, proc_stat()]
     return out
 
 
@@ -299,8 +305,10 @@ def _rtp_overhead_fresh(world_sizes: Sequence[int], quick: bool) -> dict[int, di
 
 
 def _median_over_ranks(ranks: list[dict]) -> dict:
-    """One rank-shaped dict: every number the median over the ranks."""
+    """One rank-shaped dict: every number the median over the ranks; "other_work" the share
+    of the cores that other processes used during the job."""
     out: dict = {
+        "other_work": other_work(*ranks[0]["stat"], sum(r["cpu_s"] for r in ranks)),
         "matmul_flops": {
             dtype: statistics.median(r["matmul_flops"][dtype] for r in ranks)
             for dtype in ranks[0]["matmul_flops"]
@@ -322,25 +330,27 @@ def _median_over_ranks(ranks: list[dict]) -> dict:
     return out
 
 
-BUSY_WARNING = 0.25  # other work on this share of the cores makes the timings suspect
+BUSY_WARNING = 0.1  # other work on this share of the cores makes the timings suspect
 
 
-def cpu_busy(seconds: float = 0.5) -> float | None:
-    """The share of the machine's cores busy (user, system, interrupts, steal) over the next
-    `seconds`, from /proc/stat, while this process sleeps: other work competing for the cores;
-    None where there is no /proc/stat."""
-
-    def sample() -> tuple[int, int]:
-        fields = [int(v) for v in pathlib.Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
-
+def proc_stat() -> tuple[int, int] | None:
+    """The machine's CPU time so far, all cores, in clock ticks: (total, idle + iowait), from
+    /proc/stat; None where there is none."""
     try:
-        total0, idle0 = sample()
-        time.sleep(seconds)
-        total1, idle1 = sample()
-    except (OSError, ValueError, IndexError):
+        fields = [int(v) for v in pathlib.Path("/proc/stat").read_text().split()[1:11]]
+    except (OSError, ValueError):
         return None
-    return 1 - (idle1 - idle0) / max(1, total1 - total0)
+    return sum(fields[:8]), fields[3] + fields[4]  # guest time is in user already
+
+
+def other_work(before, after, own_cpu_s: float) -> float | None:
+    """The share of all cores that processes other than ours (`own_cpu_s` CPU seconds) kept
+    busy between two `proc_stat` samples."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    busy_s = ((after[0] - before[0]) - (after[1] - before[1])) / ticks
+    return max(0.0, busy_s - own_cpu_s) / ((after[0] - before[0]) / ticks)
 
 
 def _reduce_scatter_note() -> str:
@@ -376,13 +386,15 @@ def run(
     notes: list[str] = []
     measured: dict[str, dict] = {}
     raw: dict[int, dict] = {}
-    busy = {}
+    busy: dict[str, float | None] = {}
     for n in world_sizes:
-        busy[f"before N={n}"] = cpu_busy()
         raw[n] = _median_over_ranks(launch(measure_rank, n, args=(s,), timeout=300))
-    busy["before the runtime overhead"] = cpu_busy()
+        busy[f"N={n} job"] = raw[n]["other_work"]
+    before, children = proc_stat(), resource.getrusage(resource.RUSAGE_CHILDREN)
     overhead = _rtp_overhead_fresh(world_sizes, quick)
-    busy["after"] = cpu_busy()
+    done = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = done.ru_utime + done.ru_stime - children.ru_utime - children.ru_stime
+    busy["runtime overhead"] = other_work(before, proc_stat(), own)
     for n in world_sizes:
         one = raw[n]
         entry: dict = {k: one[k] for k in ("matmul_flops", "memory_bandwidth", "op_overhead_s")}
@@ -432,8 +444,8 @@ def run(
             f"{1e3 * overhead[n]['unsharded_s']:.2f} ms"
             for n in world_sizes
         ),
-        "other work on the machine (share of the cores busy over 0.5 s while calibrate "
-        "slept): "
+        "other work on the machine (the share of the cores that processes other than "
+        "calibrate's kept busy, from /proc/stat): "
         + ", ".join(f"{k} {'?' if v is None else f'{100 * v:.0f}%'}" for k, v in busy.items()),
         f"top-level compute, levels and runtime: N={world_sizes[0]}"
         + (" (--quick: few sizes and repeats)" if quick else ""),
@@ -459,9 +471,9 @@ def run(
     crowded = {k: v for k, v in busy.items() if v is not None and v > BUSY_WARNING}
     if crowded:
         notes.append(
-            "warning: other processes kept the cores busy ("
+            "warning: other processes used the cores during the measurements ("
             + ", ".join(f"{k} {100 * v:.0f}%" for k, v in crowded.items())
-            + "): the timings, communication's most, may include waits for a core; "
+            + "): the timings, communication's most, include waits for a core; "
             "calibrate on an idle machine"
         )
         print(notes[-1])
