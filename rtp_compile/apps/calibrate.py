@@ -8,7 +8,9 @@ op, the seconds of one small eager op with autograd, and the four communications
 message sizes of 4 KiB .. 4 MiB. Then one fresh process (a `fake` process group: communication
 free) times a rank module of plain Linear layers against the unsharded model: the runtime's own
 seconds per unit-step. Every number is the median of timed repeats after warm-up; per rank's
-medians, the median over ranks.
+medians, the median over ranks. The notes say how well each line fits, how many calls stalled
+(over 2 ms: gloo's waits here take ~4 ms now and then), the lines through the means (stalls
+included), and how much of the cores other processes used meanwhile (from /proc/stat).
 
     rtp-compile calibrate [--world-sizes 2 4] [--out benchmarks/out/hardware-this-cpu.json]
                           [--name this-cpu] [--quick]
