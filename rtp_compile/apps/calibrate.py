@@ -182,8 +182,8 @@ def measure_rank(rank: int, world_size: int, s: Settings) -> dict:
     out["memory_bandwidth"] = _memory_bandwidth(s)
     dist.barrier()
     out["op_overhead_s"] = _op_overhead(s)
-    # Rounds over every op and size, so that a stretch of stalls (on a 2-core VM, idle, 15-20%
-    # of gloo's hops take ~4 ms; pipes and raw TCP don't) is spread over them all.
+    # Rounds over every op and size, so that a stretch of stalls (gloo's calls here take ~4 ms
+    # now and then, a tight loop of hops most: see the ring_hop note) is spread over them all.
     calls = {
         (op, nbytes): _comm_fn(op, nbytes, rank, world_size) for op in COMMS for nbytes in s.sizes
     }
@@ -434,7 +434,10 @@ def run(
         "the relative error; bytes: ring_hop the message, all_reduce the tensor, all_gather "
         "the output (dist.all_gather_single), reduce_scatter the input",
         "ring_hop: dist.batch_isend_irecv of an isend to rank+1 and an irecv from rank-1, both "
-        "waited (as rtp_compile.runtime.ring), a barrier-free loop of hops",
+        "waited, their works then dropped (as rtp_compile.runtime.ring's wait), a barrier-free "
+        "loop of hops; on this 2-core VM a probe of such a loop (N = 2, 4 KiB) had 60-85% of "
+        "its hops take ~4 ms, against 6-10% where the previous hop's works stayed referenced "
+        "until the next hop was issued (pipes and raw TCP between two processes: none)",
         _reduce_scatter_note(),
         f"rtp_step_overhead_s: fake process group, rank 0, {LAYERS} x nn.Linear({WIDTH}, "
         f"{WIDTH}) (transform(..., fuse=False): {overhead[world_sizes[0]]['units']} ROTATE "
