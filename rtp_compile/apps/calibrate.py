@@ -435,9 +435,10 @@ def run(
         "the output (dist.all_gather_single), reduce_scatter the input",
         "ring_hop: dist.batch_isend_irecv of an isend to rank+1 and an irecv from rank-1, both "
         "waited, their works then dropped (as rtp_compile.runtime.ring's wait), a barrier-free "
-        "loop of hops; on this 2-core VM a probe of such a loop (N = 2, 4 KiB) had 60-85% of "
-        "its hops take ~4 ms, against 6-10% where the previous hop's works stayed referenced "
-        "until the next hop was issued (pipes and raw TCP between two processes: none)",
+        "loop of hops; on this 2-core VM probes of such a loop (N = 2, 4 KiB) had 60-85% of "
+        "the hops take ~4 ms, a share that hangs on fine timing: 6-10% where the previous "
+        "hop's works stayed referenced until the next hop was issued, ~10% with timer calls "
+        "between issue, wait and release (pipes and raw TCP between two processes: no stalls)",
         _reduce_scatter_note(),
         f"rtp_step_overhead_s: fake process group, rank 0, {LAYERS} x nn.Linear({WIDTH}, "
         f"{WIDTH}) (transform(..., fuse=False): {overhead[world_sizes[0]]['units']} ROTATE "
