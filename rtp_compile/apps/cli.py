@@ -3,7 +3,8 @@
 generated code), `rtp-compile plan` predicts per-rank memory of models far larger than this
 machine (built on the meta device), `rtp-compile bench` measures step time, memory and traffic
 next to DDP, FSDP2 and DTensor tensor parallel (`--memory`: memory by category next to the cost
-model)."""
+model), `rtp-compile calibrate` measures this machine (compute, gloo communication, the runtime's
+per-step cost) and writes the hardware description the time model loads."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The argument parser with the `demo` and `inspect` subcommands."""
+    """The argument parser with its subcommands (demo, inspect, plan, bench, calibrate)."""
     parser = argparse.ArgumentParser(
         prog="rtp-compile",
         description="Compile PyTorch models for Rotated Tensor Parallel training.",
@@ -173,6 +174,32 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--out", default="benchmarks/out", help="where the plot and traces go")
     bench.set_defaults(run=_run_bench)
+
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="measure this machine for the time model (matmul FLOP/s, memory bandwidth, "
+        "op dispatch, gloo ring hop and collectives fitted as a + b * bytes, the runtime's "
+        "per-step cost) and write its hardware description JSON",
+    )
+    calibrate.add_argument(
+        "--world-sizes",
+        type=_positive_int,
+        nargs="+",
+        default=[2, 4],
+        help="local ranks measured at once, each >= 2 (default 2 4)",
+    )
+    calibrate.add_argument(
+        "--out",
+        default="benchmarks/out/hardware-this-cpu.json",
+        help="the JSON file written (default benchmarks/out/hardware-this-cpu.json)",
+    )
+    calibrate.add_argument(
+        "--name", default="this-cpu", help="the hardware's name in the file (default this-cpu)"
+    )
+    calibrate.add_argument(
+        "--quick", action="store_true", help="few sizes and repeats (seconds; noisier)"
+    )
+    calibrate.set_defaults(run=_run_calibrate)
     return parser
 
 
@@ -310,6 +337,17 @@ def _run_bench(args: argparse.Namespace) -> None:
     if args.preset not in PRESETS:
         raise UsageError(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
     run(args.world_sizes or [2, 4], args.preset, args.rounds, args.steps, args.out)
+
+
+def _run_calibrate(args: argparse.Namespace) -> None:
+    """`calibrate`: the micro-benchmarks of `rtp_compile.apps.calibrate`, written as JSON."""
+    if min(args.world_sizes) < 2:
+        raise UsageError(
+            f"--world-sizes must be >= 2 (a ring needs a peer), got {args.world_sizes}"
+        )
+    from rtp_compile.apps.calibrate import run
+
+    run(args.world_sizes, args.out, args.name, args.quick)
 
 
 def load_model(target: str) -> nn.Module:
