@@ -7,10 +7,11 @@ op, the seconds of one small eager op with autograd, and the four communications
 (a ring hop, all-reduce, all-gather, reduce-scatter), each fitted as seconds = a + b * bytes over
 message sizes of 4 KiB .. 4 MiB. Then one fresh process (a `fake` process group: communication
 free) times a rank module of plain Linear layers against the unsharded model: the runtime's own
-seconds per unit-step. Every number is the median of timed repeats after warm-up; per rank's
-medians, the median over ranks. The notes say how well each line fits, how many calls stalled
-(over 2 ms: gloo's waits here take ~4 ms now and then), the lines through the means (stalls
-included), and how much of the cores other processes used meanwhile (from /proc/stat).
+seconds per unit-step. Compute numbers are medians of timed repeats after warm-up, the
+communication fits go through the means (stalls included: a step sums many messages, and
+gloo's waits here take ~4 ms now and then); the median over ranks. The notes say how well each
+line fits, how many calls stalled (over 2 ms), the lines through the medians, and how much of
+the cores other processes used meanwhile (from /proc/stat).
 
     rtp-compile calibrate [--world-sizes 2 4] [--out benchmarks/out/hardware-this-cpu.json]
                           [--name this-cpu] [--quick]
@@ -400,16 +401,17 @@ def run(
     for n in world_sizes:
         one = raw[n]
         entry: dict = {k: one[k] for k in ("matmul_flops", "memory_bandwidth", "op_overhead_s")}
-        for op in COMMS:
-            a, b, clamped = fit_line(one[op])
+        for op in COMMS:  # the means: a step's time is a sum of many, stalls included
+            a, b, clamped = fit_line(one[f"{op}_mean"])
             entry[op] = [a, b]
             notes += [f"N={n} {op}: {c}" for c in clamped]
-            mean_a, mean_b, _ = fit_line(one[f"{op}_mean"])
+            median_a, median_b, _ = fit_line(one[op])
             notes.append(
-                f"N={n} {op}: fit within {100 * _worst_residual(one[op], a, b):.0f}% of the "
-                f"measured medians; {100 * one[f'{op}_slow']:.0f}% of the timed calls took over "
-                f"{1e3 * STALL_S:g} ms; the means (stalls included) fit a = {mean_a:.3g} s, "
-                f"b = {mean_b:.3g} s/B"
+                f"N={n} {op}: the means' fit within "
+                f"{100 * _worst_residual(one[f'{op}_mean'], a, b):.0f}%; "
+                f"{100 * one[f'{op}_slow']:.0f}% of the timed calls took over "
+                f"{1e3 * STALL_S:g} ms; the medians (no stalls) fit a = {median_a:.3g} s, "
+                f"b = {median_b:.3g} s/B"
             )
         step_s = overhead[n]["rtp_step_overhead_s"]
         if step_s <= 0:
@@ -421,8 +423,8 @@ def run(
     a, b = first["ring_hop"]
     notes += [
         f"every measurement with all N ranks running at once ({os.cpu_count()} cores; "
-        "one torch thread per rank); medians of timed repeats after warm-up, then the median "
-        "over ranks",
+        "one torch thread per rank); compute: medians of timed repeats after warm-up; "
+        "communication: means of timed repeats (stalls included); then the median over ranks",
         "matmul_flops: the best of the medians of [M, K] @ [K, N] for (M, K, N) in "
         f"{MATMUL_SHAPES}, 2*M*K*N flops; memory_bandwidth: torch.add(a, b, out=c) on "
         f"{BANDWIDTH_BYTES // MIB} MiB float32 tensors, 3 x {BANDWIDTH_BYTES // MIB} MiB per op; "
@@ -465,6 +467,7 @@ def run(
             f"torch {torch.__version__}, {os.cpu_count()} cores"
         ),
         "cores": os.cpu_count(),
+        "host_runs_ahead": False,  # eager on a CPU: an op runs when issued
         "compute": {k: first[k] for k in ("matmul_flops", "memory_bandwidth", "op_overhead_s")},
         "levels": [{"name": "loopback (gloo)", "ranks": None, "latency_s": a, "bandwidth": 1 / b}],
         "runtime": {"rtp_step_overhead_s": first["rtp_step_overhead_s"]},

@@ -1,10 +1,12 @@
 """Command line of rtp_compile: `rtp-compile demo` trains TinyGPT on Shakespeare next to DDP,
 `rtp-compile inspect` shows what the compiler makes of a model (plan, per-op report, one rank's
-generated code), `rtp-compile plan` predicts per-rank memory of models far larger than this
-machine (built on the meta device), `rtp-compile bench` measures step time, memory and traffic
-next to DDP, FSDP2 and DTensor tensor parallel (`--memory`: memory by category next to the cost
-model), `rtp-compile calibrate` measures this machine (compute, gloo communication, the runtime's
-per-step cost) and writes the hardware description the time model loads."""
+generated code), `rtp-compile plan` predicts per-rank memory (with `--hardware`, step time
+too) of models far larger than this machine (built on the meta device), `rtp-compile bench`
+measures step time, memory and traffic next to DDP, FSDP2 and DTensor tensor parallel
+(`--memory`: memory by category next to the cost model; `--predict`: the time model's step
+next to the measured one), `rtp-compile calibrate` measures this machine (compute, gloo
+communication, the runtime's per-step cost) and writes the hardware description the time
+model loads."""
 
 from __future__ import annotations
 
@@ -158,9 +160,18 @@ def _parser() -> argparse.ArgumentParser:
         "step / unsharded step, eager and compiled, N = 2, 4, 8 (a 2 x 64 GPT)",
     )
     bench.add_argument(
+        "--predict",
+        nargs="?",
+        const="this-cpu",
+        metavar="HARDWARE",
+        help="instead: the time model against measurement: each kind's predicted step next to "
+        "the measured one, gpt-small and demo, N = 2 and 4 (HARDWARE: a description, "
+        "default this-cpu; rtp-compile calibrate writes a fresh one)",
+    )
+    bench.add_argument(
         "--preset",
         default="gpt-small",
-        help="model and batch: gpt-small (default), gpt2-124m, tiny",
+        help="model and batch: gpt-small (default), gpt2-124m, tiny, demo",
     )
     bench.add_argument(
         "--world-sizes",
@@ -331,6 +342,17 @@ def _run_bench(args: argparse.Namespace) -> None:
         from rtp_compile.apps.bench_overhead import run as bench_overhead
 
         bench_overhead(args.world_sizes or [2, 4, 8], args.rounds, args.steps)
+        return
+    if args.predict:
+        from rtp_compile.apps.bench_time import run as bench_time
+
+        bench_time(
+            hardware=args.predict,
+            world_sizes=args.world_sizes or [2, 4],
+            rounds=args.rounds,
+            steps=args.steps,
+            out=args.out,
+        )
         return
     from rtp_compile.apps.bench_speed import PRESETS, run
 
