@@ -4,6 +4,9 @@ a fresh process; prints every run, the medians and their ratio (the target: <= 1
 
     python benchmarks/plan_depth.py [--rounds 3] [--profile full|half]
 
+Run it from the checkout's root: each run is `python -c`, which imports rtp_compile from the
+working directory first.
+
 `--profile`: run that depth once under cProfile instead and print the top of the profile.
 """
 
