@@ -102,6 +102,21 @@ def test_the_copied_graph_is_the_model(monkeypatch):
     assert ops[0] == ops[1]
 
 
+def test_the_compilers_graphs_show_and_run_what_their_graph_says():
+    """Capture's graph, the reference and the planned program generate their code only when
+    it is read or run (`core.lazy_graph`), after every rewrite: it is then what their graph
+    says, and the reference computes the model."""
+    import copy
+
+    import torch.fx as fx
+
+    model = _llama()
+    prog = rtp_compile.transform(model, 2, example_inputs=(IDS,))
+    for gm in (prog.ctx.reference, prog.graph_module):
+        assert gm.code == fx.GraphModule(gm, copy.deepcopy(gm.graph)).code
+    assert torch.equal(prog.ctx.reference(IDS).logits, model(IDS).logits)
+
+
 def test_a_wider_block_is_not_copied(monkeypatch):
     from transformers.models.llama.modeling_llama import LlamaMLP
 

@@ -275,17 +275,22 @@ def _form(blocks: _Blocks, b: int, path: str) -> list | None:
     return refs
 
 
-def _renamed(meta: dict, old: str, new: str) -> dict:
-    """A copied node's meta: the module paths of its block `old` now those of block `new`."""
+def _renamed(meta: dict, old: str, new: str, stacks: dict) -> dict:
+    """A copied node's meta: the module paths of its block `old` now those of block `new`.
+    `stacks`: the module stacks renamed so far for this copy, by content; its nodes of one
+    stack share its renamed dict (as a graph's copy shares its nodes' meta values)."""
     meta = dict(meta)
     if "nn_module_stack" in meta:
-        meta["nn_module_stack"] = {
-            key.replace(old, new, 1): (
-                p.replace(old, new, 1) if p == old or p.startswith(old + ".") else p,
-                kind,
-            )
-            for key, (p, kind) in meta["nn_module_stack"].items()
-        }
+        stack = tuple(meta["nn_module_stack"].items())
+        if stack not in stacks:
+            stacks[stack] = {
+                key.replace(old, new, 1): (
+                    p.replace(old, new, 1) if p == old or p.startswith(old + ".") else p,
+                    kind,
+                )
+                for key, (p, kind) in stack
+            }
+        meta["nn_module_stack"] = stacks[stack]
     return meta
 
 
@@ -327,10 +332,11 @@ def replicate(gm: fx.GraphModule, repeat: Repeat) -> bool:
                     env[node] = graph.get_attr(target)
                     env[node].meta = dict(node.meta)
             anchor = env[blocks.attrs[-1][-1]]
+        stacks: dict = {}
         with graph.inserting_before(blocks.tail[0]):
             for node in template:
                 env[node] = graph.node_copy(node, lambda a: env.get(a, a))
-                env[node].meta = _renamed(node.meta, f"{path}.{CAPTURED - 1}", prefix)
+                env[node].meta = _renamed(node.meta, f"{path}.{CAPTURED - 1}", prefix, stacks)
         made = [env[n] for n in template]
     for node, copy in zip(template, made):
         node.replace_all_uses_with(copy, delete_user_cb=lambda user: user in tail)

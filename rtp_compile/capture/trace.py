@@ -27,6 +27,7 @@ from rtp_compile.capture.repeats import (
     replicate,
 )
 from rtp_compile.core.ir import CHECKPOINT_KEY
+from rtp_compile.core.lazy_graph import as_lazy, lazy_graph_module
 from rtp_compile.core.state_keys import native_state_keys
 
 
@@ -91,7 +92,7 @@ def capture(
                 gm, copies = _export_blocks_once(model, None, dummy, "its dummy_inputs")
                 level = "aten"
             else:
-                gm, level = _trace_fx(model), "function"
+                gm, level = as_lazy(_trace_fx(model)), "function"
         else:
             gm, copies = _export_blocks_once(
                 model, example_inputs, example_kwargs, "the given example inputs"
@@ -118,7 +119,7 @@ def _tidy(gm: fx.GraphModule, aliases: dict[str, list[str]], copies: Copies | No
         _canonicalise_parameter_reads(module, aliases)
         _drop_metadata_asserts(module)
     if copies is not None:  # the prefix reads what `gm` holds, under its canonical names
-        copies.prefix = fx.GraphModule(gm, copies.prefix.graph)
+        copies.prefix = lazy_graph_module(gm, copies.prefix.graph)
 
 
 @contextlib.contextmanager
@@ -350,14 +351,14 @@ def _export_blocks_once(
     if repeat is not None:
         try:
             with prefix_of(model, repeat):
-                gm = _export(model, args, kwargs, source)
+                gm = as_lazy(_export(model, args, kwargs, source))
         except (CaptureError, AttributeRead):
             gm = None
         if gm is not None:
-            prefix = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+            prefix = lazy_graph_module(gm, copy.deepcopy(gm.graph))
             if replicate(gm, repeat):
                 return gm, Copies(prefix, repeat.path, len(repeat.blocks))
-    return _export(model, args, kwargs, source), None
+    return as_lazy(_export(model, args, kwargs, source)), None
 
 
 def _export(model: nn.Module, args, kwargs, source: str) -> fx.GraphModule:

@@ -85,17 +85,18 @@ def bucket_budget(ctx, units) -> int:
 def _check(gm: fx.GraphModule, ctx) -> None:
     rotating = rotating_units_in_order(gm, ctx)
     order, budget = [u.name for u in rotating], bucket_budget(ctx, rotating)
-    regions = checkpoint_regions(gm)
+    position = {name: i for i, name in enumerate(order)}
+    regions, tied = checkpoint_regions(gm), _tied(ctx.plan)
     units = {u.name: u for u in ctx.plan.units}
     seen: set[str] = set()
     for name, members in ctx.buckets.items():
         if len(members) < 2 or seen & set(members):
             raise InvariantError(f"bucket {name}: {members} (fewer than two, or shared units)")
         seen |= set(members)
-        at = order.index(members[0])
+        at = position[members[0]]
         if list(order[at : at + len(members)]) != list(members):
             raise InvariantError(f"bucket {name}: {members} do not follow each other")
-        if set(members) & _tied(ctx.plan):
+        if tied.intersection(members):
             raise InvariantError(f"bucket {name}: a unit reads a parameter another unit reads")
         if len(_dtypes(ctx.plan, [units[m] for m in members])) != 1:
             raise InvariantError(f"bucket {name}: its parameters' dtypes differ")

@@ -21,11 +21,12 @@ Attention blocks that are not fused are listed in `plan.unfused` with the reason
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import operator
+from collections.abc import Container
 
-import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -83,33 +84,47 @@ def _is_metadata_read(node: fx.Node) -> bool:
     )
 
 
+def _ancestors(node: fx.Node, cut: Container[fx.Node]) -> set[fx.Node]:
+    """The nodes `node` reads, transitively, reading on through no node of `cut` (one that is
+    read is among them; what it reads is not, unless read otherwise)."""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n not in cut:
+            fresh = [i for i in n.all_input_nodes if i not in seen]
+            seen.update(fresh)
+            todo += fresh
+    return seen
+
+
+def _descendants(node: fx.Node, cut: Container[fx.Node]) -> set[fx.Node]:
+    """The nodes that read `node`, transitively, through no node of `cut` (never among them)."""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        fresh = [u for u in todo.pop().users if u not in cut and u not in seen]
+        seen.update(fresh)
+        todo += fresh
+    return seen
+
+
 class BlockFinder:
-    """The graph views every block search shares (networkx)."""
+    """What every block search shares: the graph's units, its metadata reads, which the walks
+    stop at (`_ancestors`, `_descendants`), and the parameters' readers."""
 
     def __init__(self, gm: fx.GraphModule, plan: Plan, max_padding: float):
         self.gm, self.plan, self.max_padding = gm, plan, max_padding
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        self.graph = nx.DiGraph((i, n) for n in gm.graph.nodes for i in n.all_input_nodes)
-        self.graph.add_nodes_from(gm.graph.nodes)
         self.units = {self.nodes[u.node]: u for u in plan.units}
-        # edges into a unit removed: ancestors in `stop_at_units` end at the nearest units
-        self.stop_at_units = self.graph.copy()
-        self.stop_at_units.remove_edges_from(
-            [(i, u) for u in self.units for i in self.graph.predecessors(u)]
-        )
-        # edges into metadata reads removed: ancestors in `gradient` are what a value's
-        # gradient flows back to, descendants what depends on a value's data
-        metadata_reads = [
-            (i, n) for n in gm.graph.nodes if _is_metadata_read(n) for i in n.all_input_nodes
-        ]
-        self.gradient = self.graph.copy()
-        self.gradient.remove_edges_from(metadata_reads)
-        # both: ancestors in `data_to_units` are the nearest units a value's data comes from
-        self.data_to_units = self.stop_at_units.copy()
-        self.data_to_units.remove_edges_from(metadata_reads)
+        # walks that stop at units end at the nearest ones; walks that stop at metadata reads
+        # follow a value's gradient back (ancestors) or what depends on its data (descendants)
+        self.metadata_reads = {n for n in gm.graph.nodes if _is_metadata_read(n)}
+        self.units_or_metadata = self.units.keys() | self.metadata_reads
         self.weighted = set(self.units) | set(parameter_reads(gm))
-        self.readers = {name: len(plan.units_of(name)) for name in plan.params}
+        self.readers = collections.Counter(p for u in plan.units for p in set(u.params.values()))
+        self.merged: set[fx.Node] = set()  # the nodes of the units fused so far
 
     def region_of(self, tail: Unit):
         """(columns, region nodes, attention?) between the nearest column-split linears above
@@ -119,15 +134,16 @@ class BlockFinder:
         above = (
             {t_in}
             if t_in in self.units
-            else nx.ancestors(self.data_to_units, t_in) & set(self.units)
+            else _ancestors(t_in, self.units_or_metadata) & self.units.keys()
         )
         columns = sorted((n for n in above if _is_column(self.units[n])), key=self.order.get)
         if not columns:
             return None
         # paths from a column linear to the tail's input that pass no other unit
-        below = set().union(*(nx.descendants(self.stop_at_units, h) for h in columns))
+        stop = self.units.keys()
+        below = set().union(*(_descendants(h, stop) for h in columns))
         region = sorted(
-            (below & (nx.ancestors(self.stop_at_units, t_in) | {t_in})) - set(columns),
+            (below & (_ancestors(t_in, stop) | {t_in})) - set(columns),
             key=self.order.get,
         )
         return columns, region, any(is_attention(n) for n in region)
@@ -137,7 +153,7 @@ class BlockFinder:
         block: a value from the column linears' data exists per shard only as its slice."""
         outside = {
             m: min(
-                set(self.graph.successors(m)) - members - {tail_node},
+                set(m.users) - members - {tail_node},
                 key=self.order.get,
                 default=None,
             )
@@ -149,7 +165,7 @@ class BlockFinder:
         if value is None:
             return
         reader = outside[value].name
-        if any(nx.has_path(self.gradient, h, value) for h in columns):
+        if any(value is h or value in _descendants(h, self.metadata_reads) for h in columns):
             raise NotExact(
                 f"{value.name}, computed from the heads, is also read outside the "
                 f"block (by {reader}; k or v kept as a cache, attention weights "
@@ -171,7 +187,7 @@ class BlockFinder:
                 "its heads read different inputs (q from one, k/v from another, as "
                 "in cross-attention): a fused unit has one input"
             )
-        if any(u not in self.plan.units for u in units):
+        if self.merged.intersection(columns):
             raise NotExact("a head already belongs to another fused block")
         members = set(region) | set(columns)
         self._read_only_inside(members, columns, tail_node)
@@ -179,7 +195,7 @@ class BlockFinder:
         if any(self.readers[p] != 1 for p in params):
             raise NotExact("a parameter of the block is tied or read elsewhere")
         for ext in {i for n in region for i in n.all_input_nodes} - members:
-            carriers = (nx.ancestors(self.gradient, ext) | {ext}) & self.weighted
+            carriers = (_ancestors(ext, self.metadata_reads) | {ext}) & self.weighted
             if carriers and not _is_metadata_read(ext):
                 raise NotExact(
                     f"its operand {ext.name} is computed from parameters (through "
@@ -217,7 +233,7 @@ def fuse_blocks(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for tail in [
         u for u in plan.units if u.kind == UnitKind.ROTATE and u.call.rule.name == "linear"
     ]:
-        if tail not in plan.units:
+        if finder.nodes[tail.node] in finder.merged:
             continue
         found = finder.region_of(tail)
         if found is None:
@@ -247,6 +263,7 @@ def fuse_blocks(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 plan.unfused[tail.name] = str(why)
             continue
         _record_fusion(plan, fusion)
+        finder.merged.update([*columns, finder.nodes[tail.node]])
     plan.units.sort(key=lambda u: finder.order[finder.nodes[u.node]])
     return gm
 
@@ -335,11 +352,11 @@ def _rewritten(graph: fx.Graph, args: list, kwargs: dict, rewrites, first, group
             box[key] = new
 
 
-def region_body(gm: fx.GraphModule, fusion: Fusion) -> fx.GraphModule:
+def region_body(nodes: dict[str, fx.Node], fusion: Fusion) -> fx.GraphModule:
     """The block's region as a GraphModule: (first group, groups held, *column outputs,
-    *externals) in, the tail's input out. Run for any shard: its sizes on the cut axis are
-    `groups` x a group's width, its per-head operands narrowed to the shard's groups."""
-    nodes = {n.name: n for n in gm.graph.nodes}
+    *externals) in, the tail's input out; `nodes`: the graph's nodes by name. Run for any
+    shard: its sizes on the cut axis are `groups` x a group's width, its per-head operands
+    narrowed to the shard's groups."""
     graph = fx.Graph()
     first, groups = graph.placeholder("first_group"), graph.placeholder("groups")
 

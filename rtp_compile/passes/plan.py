@@ -106,9 +106,9 @@ def unique_name(base: str, taken: set[str]) -> str:
 def parameter_only_nodes(gm: fx.GraphModule, reads: dict[fx.Node, str]) -> nx.DiGraph:
     """Parameter reads and the nodes computed from parameters and constants alone (w.t(), w*2,
     w.to(x.dtype): a cast reads only the dtype of its other inputs), as a dependency graph
-    (edge: input -> user)."""
+    (edge: input -> user); its graph's `order` attribute: every node's position in `gm`."""
     constant = {n for n in gm.graph.nodes if n.op == "get_attr"}
-    only = nx.DiGraph()
+    only = nx.DiGraph(order={n: i for i, n in enumerate(gm.graph.nodes)})
     only.add_nodes_from(reads)
     for node in gm.graph.nodes:
         inputs, dtypes = node.all_input_nodes, dtype_inputs(node)
@@ -129,7 +129,7 @@ def consumer_closure(node: fx.Node, param_only: nx.DiGraph) -> list[fx.Node]:
     if not direct:  # most nodes: nothing to order, no walk over the graph
         return []
     seen = set(direct).union(*(nx.ancestors(param_only, d) for d in direct))
-    return [n for n in node.graph.nodes if n in seen]
+    return sorted(seen, key=param_only.graph["order"].__getitem__)
 
 
 def check_plan(gm: fx.GraphModule, ctx) -> None:
@@ -181,7 +181,7 @@ def make_plan(
         for target, names in _leaf_module_params(gm).items()
     }
     shapes = {name: tuple(p.shape) for name, p in params.items()}
-    order = list(shapes)
+    order = {name: i for i, name in enumerate(shapes)}
 
     consumers: dict[fx.Node, list[str]] = {}
     closures: dict[fx.Node, list[fx.Node]] = {}
@@ -198,7 +198,7 @@ def make_plan(
                 f"rtp_compile: the model returns parameter(s) {sorted(names)} (or values computed "
                 "from parameters alone) directly; return them from a module call instead."
             )
-        consumers[node] = sorted(names, key=order.index)
+        consumers[node] = sorted(names, key=order.__getitem__)
         call = match_op(node, gm, reads) if node.op == "call_function" else None
         inside = set(closure)  # the op's reads and what its rule applies to them (w.t(), 1 + w)
         if (

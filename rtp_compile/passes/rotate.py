@@ -156,7 +156,7 @@ def rotate(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 ]
                 marker = graph.call_function(rotated_op, (unit.name, x, *param_reads, *run_inputs))
             elif unit.kind == UnitKind.FUSED:
-                bodies[unit.name] = region_body(gm, unit.fusion)
+                bodies[unit.name] = region_body(by_name, unit.fusion)
                 x = by_name[unit.fusion.columns[0].call.input]
                 externals = [by_name[e] for e in unit.fusion.externals]
                 marker = graph.call_function(fused_block, (unit.name, x, *param_reads, *externals))

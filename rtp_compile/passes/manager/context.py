@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from rtp_compile.core.checks import check_world_size
+from rtp_compile.core.lazy_graph import lazy_graph_module
 from rtp_compile.runtime.precision import Precision
 
 if TYPE_CHECKING:
@@ -169,7 +170,7 @@ class Context:
     @classmethod
     def of(cls, captured, world_size: int, options: Options) -> Context:
         """The context of a fresh capture (`rtp_compile.capture.trace.Captured`)."""
-        reference = fx.GraphModule(captured.gm, copy.deepcopy(captured.gm.graph))
+        reference = lazy_graph_module(captured.gm, copy.deepcopy(captured.gm.graph))
         return cls(
             check_world_size(world_size, "rtp_compile.transform"),
             options,
@@ -198,7 +199,7 @@ class Context:
 
     def fresh_graph(self) -> fx.GraphModule:
         """A copy of the captured graph for the passes to rewrite (parameters shared)."""
-        return fx.GraphModule(self.reference, copy.deepcopy(self.reference.graph))
+        return lazy_graph_module(self.reference, copy.deepcopy(self.reference.graph))
 
     @property
     def canonical(self) -> dict[str, str]:

@@ -153,15 +153,16 @@ def run_pipeline(passes, gm: fx.GraphModule, ctx, pipeline=None) -> fx.GraphModu
             f"{[p.__name__ for p in (pipeline or passes) if not p.required]}"
         )
     debug = ctx.options.debug
+    census = _census(gm)  # the graph's, as the last pass left it
     for p in passes:
-        before, before_names = _census(gm)
+        before, before_names = census
         if p.__name__ in disable:
             record = PassRecord(p.__name__, before, before, [], [], skipped=True)
         else:
             code = gm.code if debug else None
             gm = p(gm, ctx)
             p.check(gm, ctx)
-            after, after_names = _census(gm)
+            census = after, after_names = _census(gm)
             if p.plans_only and (after, after_names) != (before, before_names):
                 raise InvariantError(f"{p.__name__} is a planning pass but changed the graph")
             record = PassRecord(
