@@ -103,18 +103,18 @@ class Hardware:
         return self.levels[-1]
 
     def rates(self, world_size: int) -> Rates:
-        """Rates at `world_size`: calibrated ones where this N was measured, compute from the
-        nearest measured N (a machine's cores shared by N ranks) else the description's,
-        communication from the ring algorithms over the slowest level crossed."""
+        """Rates at `world_size`. Communication: calibrated where this N was measured, else
+        the ring algorithms over the slowest level crossed. Compute: the nearest N measured
+        with a core per rank (else the description's), and where N ranks share fewer
+        `cores`, each rank's compute rates times cores / N (a timed op gets a whole core, so
+        calibration at such N cannot see the sharing; the step's total work can)."""
         n = world_size
         measured = self.measured.get(n)
-        nearest = (
-            self.measured[min(self.measured, key=lambda m: (abs(m - n), -m))]
-            if self.measured
-            else {}
-        )
+        alone = {m: v for m, v in self.measured.items() if self.cores is None or m <= self.cores}
+        nearest = alone[min(alone, key=lambda m: (abs(m - n), -m))] if alone else {}
         compute = {**self.compute, **{k: v for k, v in nearest.items() if k in self.compute}}
         runtime = {**self.runtime, **{k: v for k, v in nearest.items() if k in self.runtime}}
+        share = 1.0 if self.cores is None else min(1.0, self.cores / n)  # ranks > cores
         level = self.level_for(n)
         hop = Fit(level.latency_s, 1 / level.bandwidth)
         steps = max(n - 1, 0)
@@ -132,10 +132,10 @@ class Hardware:
             comm = {key: Fit(0.0, 0.0) for key in comm}
         return Rates(
             world_size=n,
-            matmul_flops=dict(compute["matmul_flops"]),
-            memory_bandwidth=float(compute["memory_bandwidth"]),
-            op_overhead_s=float(compute["op_overhead_s"]),
-            rtp_step_overhead_s=float(runtime.get("rtp_step_overhead_s", 0.0)),
+            matmul_flops={d: v * share for d, v in compute["matmul_flops"].items()},
+            memory_bandwidth=float(compute["memory_bandwidth"]) * share,
+            op_overhead_s=float(compute["op_overhead_s"]) / share,
+            rtp_step_overhead_s=float(runtime.get("rtp_step_overhead_s", 0.0)) / share,
             host_runs_ahead=self.host_runs_ahead,
             hop=comm["ring_hop"],
             all_reduce=comm["all_reduce"],
