@@ -5,7 +5,7 @@ process) measures with every rank running at once, as in the training benchmarks
 (`rtp_compile.apps.bench_speed`): the FLOP/s of small-GPT matmuls, the bytes/s of an elementwise
 op, the seconds of one small eager op with autograd, and the four communications the plans use
 (a ring hop, all-reduce, all-gather, reduce-scatter), each fitted as seconds = a + b * bytes over
-message sizes of 4 KiB .. 4 MiB. Then one fresh process (a `fake` process group: communication
+message sizes of 4 KiB .. 16 MiB. Then one fresh process (a `fake` process group: communication
 free) times a rank module of plain Linear layers against the unsharded model: the runtime's own
 seconds per unit-step. Compute numbers are medians of timed repeats after warm-up, the
 communication fits go through the means (stalls included: a step sums many messages, and
@@ -67,7 +67,7 @@ class Settings:
 
 
 FULL = Settings(
-    sizes=tuple(4 * KIB * 4**i for i in range(6)),  # 4 KiB .. 4 MiB
+    sizes=tuple(4 * KIB * 4**i for i in range(7)),  # 4 KiB .. 16 MiB (DDP's buckets: 25)
     rounds=10,
     repeats=10,
     warmup=3,
@@ -98,20 +98,41 @@ def _times(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
     return times
 
 
+def _times_after_compute(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
+    """`_times`, each call issued after about a millisecond of untimed compute (matmuls), as
+    training issues its messages: on this VM a gloo call right after compute costs ~1 ms more
+    than one in a tight loop of calls (threads woken), which is what a step pays."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        for _ in range(BETWEEN_MATMULS):
+            torch.mm(a, b)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+BETWEEN_MATMULS = 3  # 256^3 each: ~0.35 ms on this machine
+
+
 def _median_time(fn: Callable[[], object], repeats: int, warmup: int) -> float:
     """Median seconds of `repeats` calls of `fn` after `warmup` untimed ones."""
     return statistics.median(_times(fn, repeats, warmup))
 
 
 def _matmul_flops(dtype: torch.dtype, s: Settings) -> float:
-    """FLOP/s (2*M*K*N per matmul) of the best of the small-GPT shapes, each its median."""
-    best = 0.0
+    """FLOP/s (2*M*K*N per matmul) of the small-GPT shapes together: their FLOPs over the sum
+    of their median times (what a model of such matmuls gets, not the best shape's rate)."""
+    flops = seconds = 0.0
     for m, k, n in MATMUL_SHAPES:
         a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
         c = torch.empty(m, n, dtype=dtype)
-        seconds = _median_time(lambda: torch.mm(a, b, out=c), s.compute_repeats, 2)
-        best = max(best, 2 * m * k * n / seconds)
-    return best
+        seconds += _median_time(lambda: torch.mm(a, b, out=c), s.compute_repeats, 2)
+        flops += 2 * m * k * n
+    return flops / seconds
 
 
 def _memory_bandwidth(s: Settings) -> float:
@@ -192,8 +213,8 @@ def measure_rank(rank: int, world_size: int, s: Settings) -> dict:
     for r in range(s.rounds):
         for (op, nbytes), (call, _) in calls.items():
             repeats = 2 * s.repeats if op == "ring_hop" else s.repeats  # hops are cheap
-            dist.barrier()  # then a barrier-free loop: the ops themselves keep the lockstep
-            times[op, nbytes] += _times(call, repeats, s.warmup if r == 0 else 1)
+            dist.barrier()  # then a barrier-free loop of compute and the op, as in a step
+            times[op, nbytes] += _times_after_compute(call, repeats, s.warmup if r == 0 else 1)
     for op in COMMS:
         keys = [(op, nbytes) for nbytes in s.sizes]
         medians = [statistics.median(times[key]) for key in keys]
@@ -425,7 +446,7 @@ def run(
         f"every measurement with all N ranks running at once ({os.cpu_count()} cores; "
         "one torch thread per rank); compute: medians of timed repeats after warm-up; "
         "communication: means of timed repeats (stalls included); then the median over ranks",
-        "matmul_flops: the best of the medians of [M, K] @ [K, N] for (M, K, N) in "
+        "matmul_flops: the FLOPs over the summed median times of [M, K] @ [K, N] for (M, K, N) in "
         f"{MATMUL_SHAPES}, 2*M*K*N flops; memory_bandwidth: torch.add(a, b, out=c) on "
         f"{BANDWIDTH_BYTES // MIB} MiB float32 tensors, 3 x {BANDWIDTH_BYTES // MIB} MiB per op; "
         "op_overhead_s: "
@@ -435,6 +456,8 @@ def run(
         f"({len(s.sizes)} sizes), [a s, b s/byte] of seconds = a + b * bytes, least squares on "
         "the relative error; bytes: ring_hop the message, all_reduce the tensor, all_gather "
         "the output (dist.all_gather_single), reduce_scatter the input",
+        f"every communication timed after {BETWEEN_MATMULS} untimed 256^3 matmuls (as a step "
+        "issues them after compute; a tight loop of calls is ~1 ms faster per call here); "
         "ring_hop: dist.batch_isend_irecv of an isend to rank+1 and an irecv from rank-1, both "
         "waited, their works then dropped (as rtp_compile.runtime.ring's wait), a barrier-free "
         "loop of hops; on this 2-core VM probes of such a loop (N = 2, 4 KiB) had 60-85% of "
@@ -468,6 +491,7 @@ def run(
         ),
         "cores": os.cpu_count(),
         "host_runs_ahead": False,  # eager on a CPU: an op runs when issued
+        "overlap": False,  # gloo on one machine: the kernel copies a message on the sender's core
         "compute": {k: first[k] for k in ("matmul_flops", "memory_bandwidth", "op_overhead_s")},
         "levels": [{"name": "loopback (gloo)", "ranks": None, "latency_s": a, "bandwidth": 1 / b}],
         "runtime": {"rtp_step_overhead_s": first["rtp_step_overhead_s"]},

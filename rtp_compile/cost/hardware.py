@@ -4,17 +4,20 @@ part of the network (NVLink inside a node, InfiniBand across; gloo on one machin
 latency and a bandwidth per rank and direction (α and 1/β). A description comes from published
 specs (the shipped ones: `names()`) or from `rtp-compile calibrate` on the machine itself,
 which adds what it measured at each world size (`measured`): the collectives' and the ring
-hop's own α–β fits, and the compute as N ranks sharing the machine see it.
+hop's own α–β fits, and the compute as N ranks sharing the machine see it. `overlap`: whether
+communication runs beside compute (a GPU's copy engines and NICs) or takes the rank's own
+core (gloo between processes of one machine: the kernel copies each message on the
+sender's core), `host_runs_ahead`: whether the host issues work before the device needs it.
 
     hw = rtp_compile.cost.hardware.load("h100-nvlink")       # or a path to a JSON description
     rates = hw.rates(64)                                     # what a rank sees at N = 64
     rates.hop(2**20), rates.all_reduce(2**30)                # seconds
 
 A description is JSON (the calibrated one's keys; specs leave out `measured`):
-{"name", "source", "cores", "host_runs_ahead", "compute": {"matmul_flops": {"float32": ..,
-"bfloat16": ..}, "memory_bandwidth", "op_overhead_s"}, "levels": [{"name", "ranks",
-"latency_s", "bandwidth"}], "runtime": {"rtp_step_overhead_s"}, "measured": {"N": {...}},
-"notes": [...]}.
+{"name", "source", "cores", "host_runs_ahead", "overlap", "compute": {"matmul_flops":
+{"float32": .., "bfloat16": ..}, "memory_bandwidth", "op_overhead_s"}, "levels": [{"name",
+"ranks", "latency_s", "bandwidth"}], "runtime": {"rtp_step_overhead_s"}, "measured": {"N":
+{...}}, "notes": [...]}.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class Rates:
     op_overhead_s: float
     rtp_step_overhead_s: float
     host_runs_ahead: bool
+    overlap: bool  # communication runs beside compute (else it takes the rank's core)
     hop: Fit
     all_reduce: Fit
     all_gather: Fit
@@ -92,6 +96,7 @@ class Hardware:
     runtime: dict
     cores: int | None = None
     host_runs_ahead: bool = True
+    overlap: bool = True
     measured: dict[int, dict] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
 
@@ -137,6 +142,7 @@ class Hardware:
             op_overhead_s=float(compute["op_overhead_s"]) / share,
             rtp_step_overhead_s=float(runtime.get("rtp_step_overhead_s", 0.0)) / share,
             host_runs_ahead=self.host_runs_ahead,
+            overlap=self.overlap,
             hop=comm["ring_hop"],
             all_reduce=comm["all_reduce"],
             all_gather=comm["all_gather"],
@@ -179,6 +185,7 @@ class Hardware:
                 runtime=d.get("runtime", {}),
                 cores=d.get("cores"),
                 host_runs_ahead=d.get("host_runs_ahead", True),
+                overlap=d.get("overlap", True),
                 measured={int(n): v for n, v in d.get("measured", {}).items() if v},
                 notes=tuple(d.get("notes", ())),
             )

@@ -73,9 +73,11 @@ class StepTime:
 
 
 class _Rank:
-    """A rank's compute stream (`t`: when it is next free) and its link (`link`, `busy`)."""
+    """A rank's compute stream (`t`: when it is next free) and its link (`link`, `busy`);
+    without `overlap`, a transfer takes the compute stream too, from its start to its end."""
 
-    def __init__(self) -> None:
+    def __init__(self, overlap: bool = True) -> None:
+        self.overlap = overlap
         self.t = 0.0
         self.link = 0.0
         self.busy = 0.0
@@ -93,13 +95,18 @@ class _Rank:
     def send(self, seconds: float, ready: float) -> float:
         """A transfer that may start at `ready`, after the link's earlier ones: its end."""
         start = max(ready, self.link)
+        if not self.overlap:  # the rank's own core moves it, once it has issued it
+            start = max(start, self.t)
+            self.t = start + seconds
         self.link = start + seconds
         self.busy += seconds
         return self.link
 
     def send_outer(self, seconds: float, ready: float) -> float:
         """The same on the second link."""
-        self.outer = max(ready, self.outer) + seconds
+        self.outer = max(ready, self.outer, self.t if not self.overlap else 0.0) + seconds
+        if not self.overlap:
+            self.t = self.outer
         self.busy += seconds
         return self.outer
 
@@ -160,7 +167,7 @@ def _result(kind, rates, hardware, rank: _Rank, optimizer_s) -> StepTime:
 # -- DDP -------------------------------------------------------------------------------------
 def ddp_time(params: dict, profile: Profile, rates: Rates, hardware: str = "") -> StepTime:
     """DDP's step (the module docstring): `params` name -> tensor, in registration order."""
-    rank = _Rank()
+    rank = _Rank(rates.overlap)
     rank.compute(_ops_time(profile.ops, rates) + _loss_time(profile, rates))
     ready: dict[str, float] = {}
     order = list(reversed(profile.ops))
@@ -215,7 +222,7 @@ def fsdp_time(
         return keys[0] if keys else None
 
     segments = _segments(profile.ops, owner)
-    rank = _Rank()
+    rank = _Rank(rates.overlap)
 
     def gather(i: int, ready: float) -> float:
         return rank.send(rates.all_gather(full[i]), ready) if n > 1 else ready
@@ -332,7 +339,7 @@ def rtp_time(
     segments = _segments(profile.ops, owner)
     sigma_f = rates.rtp_step_overhead_s * FORWARD_SHARE_OF_STEP_OVERHEAD
     sigma_b = rates.rtp_step_overhead_s - sigma_f
-    rank = _Rank()
+    rank = _Rank(rates.overlap)
     small = [u.name for u in plan.units if u.kind == UnitKind.SMALL]
     small_arrived = (
         rank.send(rates.all_gather(messages["small"][0] * n), 0.0) if small and n > 1 else 0.0
