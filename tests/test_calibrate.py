@@ -36,7 +36,9 @@ def test_quick_calibration_writes_every_key_positive(tmp_path):
     hw = json.loads(path.read_text())
     assert hw == written
     assert set(hw) == {"name", "source", "cores", "compute", "levels", "runtime", "measured"} | {
-        "notes"
+        "notes",
+        "host_runs_ahead",
+        "overlap",
     }
     assert hw["name"] == "t" and hw["source"].startswith("rtp-compile calibrate, ")
     assert isinstance(hw["cores"], int) and hw["cores"] >= 1
@@ -44,11 +46,17 @@ def test_quick_calibration_writes_every_key_positive(tmp_path):
     (level,) = hw["levels"]
     assert level["name"] == "loopback (gloo)" and level["ranks"] is None
     assert level["latency_s"] >= 0 and _positive(level["bandwidth"])
-    assert set(hw["runtime"]) == {"rtp_step_overhead_s"}
+    assert set(hw["runtime"]) == {
+        "rtp_step_overhead_s",
+        "fsdp_block_overhead_s",
+        "fsdp_optimizer_overhead_s",
+    }
     assert _positive(hw["runtime"]["rtp_step_overhead_s"])
+    assert hw["overlap"] is False and hw["host_runs_ahead"] is False
     assert list(hw["measured"]) == ["2"]
     two = hw["measured"]["2"]
-    assert set(two) == COMPUTE | FITS | {"rtp_step_overhead_s"}
+    assert set(two) == COMPUTE | FITS | set(hw["runtime"])
+    assert all(two[k] >= 0 and math.isfinite(two[k]) for k in hw["runtime"])
     _check_compute({k: two[k] for k in COMPUTE})
     assert two["matmul_flops"] == hw["compute"]["matmul_flops"]
     for op in FITS:

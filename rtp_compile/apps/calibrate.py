@@ -288,30 +288,58 @@ def measure_rtp_overhead(world_sizes: Sequence[int], s: Settings) -> dict[int, d
             units = len([u for u in prog.plan.units if u.kind.name == "ROTATE"])
             if not units:
                 raise RuntimeError(f"no rotated unit in the plan at N={n}: {prog.plan}")
-            modules = {"unsharded": copy.deepcopy(model), "rank": prog.module(0)}
+            modules = {
+                "unsharded": copy.deepcopy(model),
+                "rank": prog.module(0),
+                "fsdp2": _fully_sharded(copy.deepcopy(model), n),
+            }
             x = torch.randn(BATCH, WIDTH)
+            optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in modules.items()}
 
             def step(module: torch.nn.Module) -> None:
                 module(x).sum().backward()
 
+            def update(kind: str) -> None:
+                optimizers[kind].step()
+
             times: dict[str, list[float]] = {k: [] for k in modules}
+            updates: dict[str, list[float]] = {k: [] for k in modules}
             kinds = list(modules)
             for r in range(s.overhead_rounds):
-                for kind in kinds[r % 2 :] + kinds[: r % 2]:
+                for kind in kinds[r % 3 :] + kinds[: r % 3]:
                     module = modules[kind]
                     times[kind].append(
                         _median_time(lambda: step(module), s.overhead_steps, 3 if r == 0 else 1)
                     )
-            rank_s, unsharded_s = (statistics.median(times[k]) for k in ("rank", "unsharded"))
+                    updates[kind].append(_median_time(lambda: update(kind), s.overhead_steps, 1))
+            rank_s, unsharded_s, fsdp_s = (
+                statistics.median(times[k]) for k in ("rank", "unsharded", "fsdp2")
+            )
+            plain_opt, fsdp_opt = (statistics.median(updates[k]) for k in ("unsharded", "fsdp2"))
+            tensors = len(list(model.parameters()))
             results[n] = {
                 "units": units,
                 "rank_s": rank_s,
                 "unsharded_s": unsharded_s,
+                "fsdp2_s": fsdp_s,
                 "rtp_step_overhead_s": (rank_s - unsharded_s) / (units * n),
+                "fsdp_block_overhead_s": max(fsdp_s - unsharded_s, 0.0) / (LAYERS + 1),
+                "fsdp_optimizer_overhead_s": max(fsdp_opt - plain_opt, 0.0) / tensors,
             }
         finally:
             dist.destroy_process_group()
     return results
+
+
+def _fully_sharded(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
+    """FSDP2 as the bench applies it: `fully_shard` on every layer, then on the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def _rtp_overhead_fresh(world_sizes: Sequence[int], quick: bool) -> dict[int, dict]:
@@ -439,6 +467,8 @@ def run(
             notes.append(f"N={n} rtp_step_overhead_s measured {step_s:.3g} s, clamped to 1e-9")
             step_s = 1e-9
         entry["rtp_step_overhead_s"] = step_s
+        for key in ("fsdp_block_overhead_s", "fsdp_optimizer_overhead_s"):
+            entry[key] = overhead[n][key]
         measured[str(n)] = entry
     first = measured[str(world_sizes[0])]
     a, b = first["ring_hop"]
@@ -475,6 +505,10 @@ def run(
             f"{1e3 * overhead[n]['unsharded_s']:.2f} ms"
             for n in world_sizes
         ),
+        "fsdp_block_overhead_s: the same layers under fully_shard (each, then the root) in the "
+        "same fake group, (fsdp2 - unsharded) / (layers + 1), forward + backward; "
+        "fsdp_optimizer_overhead_s: AdamW's step on those DTensor shards less on the unsharded "
+        "layers, per parameter tensor",
         "other work on the machine (the share of the cores that processes other than "
         "calibrate's kept busy, from /proc/stat): "
         + ", ".join(f"{k} {'?' if v is None else f'{100 * v:.0f}%'}" for k, v in busy.items()),
@@ -494,7 +528,14 @@ def run(
         "overlap": False,  # gloo on one machine: the kernel copies a message on the sender's core
         "compute": {k: first[k] for k in ("matmul_flops", "memory_bandwidth", "op_overhead_s")},
         "levels": [{"name": "loopback (gloo)", "ranks": None, "latency_s": a, "bandwidth": 1 / b}],
-        "runtime": {"rtp_step_overhead_s": first["rtp_step_overhead_s"]},
+        "runtime": {
+            key: first[key]
+            for key in (
+                "rtp_step_overhead_s",
+                "fsdp_block_overhead_s",
+                "fsdp_optimizer_overhead_s",
+            )
+        },
         "measured": measured,
         "notes": notes,
     }
@@ -542,9 +583,12 @@ def _table(measured: dict[str, dict], raw: dict[int, dict]) -> str:
             [f"  {op} calls over {1e3 * STALL_S:g} ms"]
             + [f"{100 * raw[int(n)][f'{op}_slow']:.0f}%" for n in ns]
         )
-    rows.append(
-        ["rtp unit-step overhead us"] + [_fmt(measured[n]["rtp_step_overhead_s"], 1e6) for n in ns]
-    )
+    for key, label in (
+        ("rtp_step_overhead_s", "rtp unit-step overhead us"),
+        ("fsdp_block_overhead_s", "fsdp2 block overhead us"),
+        ("fsdp_optimizer_overhead_s", "fsdp2 optimizer per tensor us"),
+    ):
+        rows.append([label] + [_fmt(measured[n][key], 1e6) for n in ns])
     return format_table(rows)
 
 

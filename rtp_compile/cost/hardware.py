@@ -16,7 +16,8 @@ sender's core), `host_runs_ahead`: whether the host issues work before the devic
 A description is JSON (the calibrated one's keys; specs leave out `measured`):
 {"name", "source", "cores", "host_runs_ahead", "overlap", "compute": {"matmul_flops":
 {"float32": .., "bfloat16": ..}, "memory_bandwidth", "op_overhead_s"}, "levels": [{"name",
-"ranks", "latency_s", "bandwidth"}], "runtime": {"rtp_step_overhead_s"}, "measured": {"N":
+"ranks", "latency_s", "bandwidth"}], "runtime": {"rtp_step_overhead_s", "fsdp_block_overhead_s",
+"fsdp_optimizer_overhead_s"}, "measured": {"N":
 {...}}, "notes": [...]}.
 """
 
@@ -64,6 +65,8 @@ class Rates:
     memory_bandwidth: float
     op_overhead_s: float
     rtp_step_overhead_s: float
+    fsdp_block_overhead_s: float  # FSDP2's own cost per block and step (hooks, copies)
+    fsdp_optimizer_overhead_s: float  # per parameter tensor: the optimizer's ops on DTensors
     host_runs_ahead: bool
     overlap: bool  # communication runs beside compute (else it takes the rank's core)
     hop: Fit
@@ -141,6 +144,8 @@ class Hardware:
             memory_bandwidth=float(compute["memory_bandwidth"]) * share,
             op_overhead_s=float(compute["op_overhead_s"]) / share,
             rtp_step_overhead_s=float(runtime.get("rtp_step_overhead_s", 0.0)) / share,
+            fsdp_block_overhead_s=float(runtime.get("fsdp_block_overhead_s", 0.0)) / share,
+            fsdp_optimizer_overhead_s=float(runtime.get("fsdp_optimizer_overhead_s", 0.0)) / share,
             host_runs_ahead=self.host_runs_ahead,
             overlap=self.overlap,
             hop=comm["ring_hop"],

@@ -13,8 +13,9 @@ its link, and each kind's step is replayed on them in program order:
   its forward and again before its backward, each gathered block copied out of the flat
   buffer; in backward the next block's all-gather is issued ahead, and each block's gradients
   are reduce-scattered after it. Where the host runs ahead of the device (a GPU), forward
-  all-gathers are issued one block ahead too; on a CPU they are waited where issued. The
-  optimizer runs on 1/N of the weights.
+  all-gathers are issued one block ahead too; on a CPU they are waited where issued. Each
+  block also pays FSDP2's own per-step cost (hooks, calibrated), and the optimizer, on 1/N of
+  the weights, a calibrated cost per DTensor parameter.
 - RTP: a rotated unit computes in N steps of 1/N of its work, each step also paying the
   runtime's per-step cost (calibrated); its N - 1 weight hops run on the link while it
   computes (the first one during the previous unit's last step), its backward re-fetches them
@@ -29,7 +30,7 @@ loop a CPU runs).
 
 What it does not see: kernels slower than the roofline on small shapes, the rank's other
 threads (gloo's) taking compute from it, contention between a link's two directions, the
-allocator, stragglers, and the per-op cost of DTensor in FSDP2's optimizer step.
+allocator, stragglers, and jitter between ranks (each hop waits for the slower of two).
 """
 
 from __future__ import annotations
@@ -247,6 +248,7 @@ def fsdp_time(
             later = next_block(segments, position)
             if rates.host_runs_ahead and later is not None and later not in issued:
                 issued[later] = gather(later, rank.t)  # the next block's, issued one ahead
+            rank.compute(rates.fsdp_block_overhead_s * FORWARD_SHARE_OF_STEP_OVERHEAD)
         rank.compute(_ops_time(ops, rates))
     rank.compute(_loss_time(profile, rates) * (1 + BACKWARD_FACTOR))
     issued = {}
@@ -261,6 +263,7 @@ def fsdp_time(
             later = next_block(backward, position)
             if later is not None and later not in issued:  # backward prefetch
                 issued[later] = gather(later, rank.t)
+            rank.compute(rates.fsdp_block_overhead_s * (1 - FORWARD_SHARE_OF_STEP_OVERHEAD))
         rank.compute(BACKWARD_FACTOR * _ops_time(ops, rates))
         if key is not None and n > 1:
             scattered = rank.send(rates.reduce_scatter(full[key]), rank.t)
@@ -268,8 +271,11 @@ def fsdp_time(
         scattered = rank.send(rates.reduce_scatter(full[root]), rank.t)
     rank.wait(scattered)
     trained = [p for p in params.values() if p.requires_grad]
-    opt = _optimizer_time(
-        len(trained), sum(p.numel() for p in trained) / n, _itemsize(trained), rates
+    opt = (
+        _optimizer_time(
+            len(trained), sum(p.numel() for p in trained) / n, _itemsize(trained), rates
+        )
+        + len(trained) * rates.fsdp_optimizer_overhead_s
     )
     rank.compute(opt)
     return _result("fsdp2", rates, hardware, rank, opt)
