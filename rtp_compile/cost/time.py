@@ -238,32 +238,33 @@ def fsdp_time(
     def next_block(order, position):
         return next((k for k, _ in order[position + 1 :] if k is not None), None)
 
+    def unshard(order, position, issued, prefetch: bool, share: float) -> None:
+        """Block `order[position]` gathered (issued now unless issued ahead) and copied out,
+        the next block's gather issued ahead where `prefetch`, FSDP2's share of its cost."""
+        key = order[position][0]
+        if key not in issued:
+            issued[key] = gather(key, rank.t)
+        rank.wait(issued.pop(key))
+        copy_out(key)
+        later = next_block(order, position)
+        if prefetch and later is not None and later not in issued:
+            issued[later] = gather(later, rank.t)
+        rank.compute(rates.fsdp_block_overhead_s * share)
+
     issued: dict[int, float] = {}
     for position, (key, ops) in enumerate(segments):
-        if key is not None:
-            if key not in issued:
-                issued[key] = gather(key, rank.t)
-            rank.wait(issued.pop(key))
-            copy_out(key)
-            later = next_block(segments, position)
-            if rates.host_runs_ahead and later is not None and later not in issued:
-                issued[later] = gather(later, rank.t)  # the next block's, issued one ahead
-            rank.compute(rates.fsdp_block_overhead_s * FORWARD_SHARE_OF_STEP_OVERHEAD)
+        if key is not None:  # forward: issued ahead only where the host runs ahead
+            unshard(
+                segments, position, issued, rates.host_runs_ahead, FORWARD_SHARE_OF_STEP_OVERHEAD
+            )
         rank.compute(_ops_time(ops, rates))
     rank.compute(_loss_time(profile, rates) * (1 + BACKWARD_FACTOR))
     issued = {}
     scattered = 0.0
     backward = list(reversed(segments))
     for position, (key, ops) in enumerate(backward):
-        if key is not None:
-            if key not in issued:
-                issued[key] = gather(key, rank.t)
-            rank.wait(issued.pop(key))
-            copy_out(key)
-            later = next_block(backward, position)
-            if later is not None and later not in issued:  # backward prefetch
-                issued[later] = gather(later, rank.t)
-            rank.compute(rates.fsdp_block_overhead_s * (1 - FORWARD_SHARE_OF_STEP_OVERHEAD))
+        if key is not None:  # backward prefetch: always
+            unshard(backward, position, issued, True, 1 - FORWARD_SHARE_OF_STEP_OVERHEAD)
         rank.compute(BACKWARD_FACTOR * _ops_time(ops, rates))
         if key is not None and n > 1:
             scattered = rank.send(rates.reduce_scatter(full[key]), rank.t)
