@@ -158,7 +158,15 @@ def _curve(
 
     scale = A / max(profile.activation_bytes, 1)  # activations enter as a share of A
     curve = [cumulative[i] * scale + extra(i) for i in sorted(keep)]
-    return sympy.Max(*curve) if len(curve) > 1 else curve[0]
+    return _max(*curve) if len(curve) > 1 else curve[0]
+
+
+def _max(*args) -> sympy.Expr:
+    """The largest of `args`, as an unevaluated sympy Max of the distinct ones: sympy's own
+    simplification of a Max compares every pair of arguments symbolically, which costs seconds
+    on a deep model's memory curve; the numbers come from substituting N and A (`_evaluate`)."""
+    distinct = list(dict.fromkeys(sympy.sympify(a) for a in args))
+    return distinct[0] if len(distinct) == 1 else sympy.Max(*distinct, evaluate=False)
 
 
 def _buffers_at(units: list[tuple[set[int], sympy.Expr]]) -> dict:
@@ -171,15 +179,14 @@ def _buffers_at(units: list[tuple[set[int], sympy.Expr]]) -> dict:
     largest: dict[tuple, sympy.Expr] = {}
     for b in map(tuple, at.values()):
         if b not in largest:
-            largest[b] = sympy.Max(*b) if len(b) > 1 else b[0]
+            largest[b] = _max(*b) if len(b) > 1 else b[0]
     return {p: largest[tuple(b)] for p, b in at.items()}
 
 
 def _evaluate(kind, world_size, exprs, activation_bytes) -> Cost:
-    values = {
-        f: int(sympy.ceiling(e.subs({N: world_size, A: activation_bytes})))
-        if isinstance(e, sympy.Expr)
-        else int(e)
+    at = {N: sympy.Integer(world_size), A: sympy.Integer(activation_bytes)}
+    values = {  # xreplace: both symbols at once, so each Max is rebuilt on numbers only
+        f: int(sympy.ceiling(e.xreplace(at))) if isinstance(e, sympy.Expr) else int(e)
         for f, e in exprs.items()
     }
     return Cost(kind, world_size, **values, expressions=exprs)
@@ -288,7 +295,7 @@ def rtp_cost(
         traffic += (N - 1) * (2 * message + grad)
         uses = read_at(names)
         span = set(range(min(uses), max(uses) + 1)) if uses else set()
-        arrived = ring * sympy.Max(2, N - 1) * message
+        arrived = ring * _max(2, N - 1) * message
         forward_units.append((span, arrived))
         backward_units.append((span, arrived + ring * N * grad))
     for unit in plan.units:
@@ -304,8 +311,8 @@ def rtp_cost(
         else:
             forward_units.append((read_at(names), 2 * ring * message))
             backward_units.append((read_at(names), 2 * ring * (message + grad)))
-    transient = sympy.Max(*[b for _, b in backward_units]) if backward_units else sympy.Integer(0)
-    largest_shard = sympy.Max(*shard.values()) if shard else sympy.Integer(0)
+    transient = _max(*[b for _, b in backward_units]) if backward_units else sympy.Integer(0)
+    largest_shard = _max(*shard.values()) if shard else sympy.Integer(0)
     exprs = {
         "param_bytes": params,
         "grad_bytes": grads,
@@ -319,7 +326,7 @@ def rtp_cost(
         _curve(profile, shard, _buffers_at(backward_units), backward=True) + profile.output_bytes
     )  # the output's gradient
     step = grads + 2 * largest_shard  # single-tensor AdamW: two shard-sized temporaries
-    exprs["peak_bytes"] = params + opt + sympy.Max(forward, backward, step)
+    exprs["peak_bytes"] = params + opt + _max(forward, backward, step)
     return _evaluate("rtp", plan.world_size, exprs, profile.activation_bytes)
 
 
@@ -345,8 +352,8 @@ def ddp_cost(
         "traffic_bytes": 2 * (N - 1) / N * grads,
     }
     backward = _curve(profile, full, {}, backward=True) + profile.output_bytes
-    step = grads + 2 * sympy.Max(*full.values())
-    exprs["peak_bytes"] = p_bytes + opt + buckets + sympy.Max(A, backward, step)
+    step = grads + 2 * _max(*full.values())
+    exprs["peak_bytes"] = p_bytes + opt + buckets + _max(A, backward, step)
     return _evaluate("ddp", world_size, exprs, profile.activation_bytes)
 
 
@@ -391,7 +398,7 @@ def fsdp_cost(
         "param_bytes": p_bytes,
         "grad_bytes": grads,
         "optimizer_bytes": opt,
-        "transient_bytes": sympy.Max(*[b for _, b in backward_units]),
+        "transient_bytes": _max(*[b for _, b in backward_units]),
         "activation_bytes": A,
         "traffic_bytes": (N - 1) / N * (3 * total - sizes[-1]),  # the root: gathered once
     }
@@ -399,8 +406,8 @@ def fsdp_cost(
     backward = (
         _curve(profile, shard, _buffers_at(backward_units), backward=True) + profile.output_bytes
     )
-    step = grads + 2 * sympy.Max(*shard.values())
-    exprs["peak_bytes"] = p_bytes + opt + sympy.Max(forward, backward, step)
+    step = grads + 2 * _max(*shard.values())
+    exprs["peak_bytes"] = p_bytes + opt + _max(forward, backward, step)
     return _evaluate("fsdp2", world_size, exprs, profile.activation_bytes)
 
 
