@@ -128,6 +128,11 @@ def test_a_two_d_mesh_adds_the_replicas_all_reduce_across_nodes():
     ring = rows[("2", "rtp")]
     assert float(two_d[-2]) > float(ring[-2])  # the ring's step plus the replicas' all-reduce
     assert two_d[4:9] == ring[2:7]  # its memory: the ring's plan's
+    mesh = cost.rtp_2d(prog, 8, BATCH, SEQ, hardware=node)  # the row, as a Cost
+    assert (mesh.world_size, f"{mesh.time.step_s:.3g}") == (8, two_d[-2])
+    assert mesh.peak_bytes == cost.rtp(prog, BATCH, SEQ).peak_bytes
+    with pytest.raises(ValueError, match="world_size=3 must be a multiple of"):
+        cost.rtp_2d(prog, 3, BATCH, SEQ, hardware=node)
 
 
 def test_rates_follow_the_ring_algorithms_and_calibration_overrides_them():

@@ -19,7 +19,7 @@ from rtp_compile.cost.hardware import load as load_hardware
 from rtp_compile.cost.model import Cost, ddp_cost, fsdp_blocks, fsdp_cost, rtp_messages
 from rtp_compile.cost.time import ddp_time, fsdp_time, rtp_time
 
-__all__ = ["Cost", "rtp", "ddp", "fsdp", "table"]
+__all__ = ["Cost", "rtp", "rtp_2d", "ddp", "fsdp", "table"]
 
 
 def rtp(
@@ -122,8 +122,15 @@ def table(
         node = described.levels[0].ranks if described else None
         if described and node and n > node and n % node == 0:
             at.append(
-                _two_d(
-                    prog, n, node, described, batch_size, seq_len, optimizer, dtype, example_kwargs
+                rtp_2d(
+                    prog,
+                    n,
+                    batch_size,
+                    seq_len,
+                    optimizer,
+                    dtype,
+                    example_kwargs,
+                    hardware=described,
                 )
             )
             kinds.append(f"rtp 2-D {n // node}x{node}")
@@ -165,10 +172,28 @@ def _keep_time(cost: Cost, n: int) -> Cost:
     return dataclasses.replace(cost.at(n), time=cost.time)
 
 
-def _two_d(prog, n, node, described, batch_size, seq_len, optimizer, dtype, example_kwargs):
-    """RTP on a 2-D mesh of n ranks: rings of `node` ranks inside the nodes, n / node replicas
-    across. Memory: the ring's plan (shards of 1/node); time: its step, with the replicas'
-    all-reduce of the shards' gradients across the nodes."""
+def rtp_2d(
+    prog,
+    world_size: int,
+    batch_size: int,
+    seq_len: int | None = None,
+    optimizer: str = "adamw",
+    dtype=None,
+    example_kwargs=None,
+    *,
+    hardware,
+) -> Cost:
+    """RTP on a 2-D mesh of `world_size` ranks, as one deploys it across nodes: a ring inside
+    each node of `hardware` (its first level's ranks), world_size / node replicas across
+    (HSDP's convention, `prog.module(mesh=...)`). Memory: the ring's plan (shards of 1/node);
+    time: its step with the replicas' all-reduce of the shards' gradients across the nodes."""
+    described = load_hardware(hardware)
+    node = described.levels[0].ranks
+    if not node or world_size % node or world_size <= node:
+        raise ValueError(
+            f"rtp_compile.cost.rtp_2d: world_size={world_size} must be a multiple of "
+            f"{described.name}'s {node} ranks a node, and more than one node"
+        )
     ring = prog.for_world_size(node)
     cost = ring.cost(batch_size, seq_len, optimizer, dtype, example_kwargs)
     profile = ring.profile(batch_size, seq_len, example_kwargs)
@@ -180,13 +205,13 @@ def _two_d(prog, n, node, described, batch_size, seq_len, optimizer, dtype, exam
         ring.ctx.buckets,
         described.rates(node),
         described.name,
-        replicas=n // node,
-        across=described.across_nodes(n // node, node),
+        replicas=world_size // node,
+        across=described.across_nodes(world_size // node, node),
     )
-    replicas = n // node
+    replicas = world_size // node
     return dataclasses.replace(
         cost,
-        world_size=n,
+        world_size=world_size,
         traffic_bytes=int(cost.traffic_bytes + 2 * (replicas - 1) / replicas * cost.grad_bytes),
-        time=dataclasses.replace(time, world_size=n),
+        time=dataclasses.replace(time, world_size=world_size),
     )
