@@ -5,11 +5,12 @@ plot saved; the tensor-parallel baseline computes what the model computes."""
 import json
 
 import pytest
+import torch
 from jobs import tensor_parallel_matches
 
 import rtp_compile
 from rtp_compile.apps import bench_overhead as overhead
-from rtp_compile.apps.bench_speed import KINDS, PRESETS, run
+from rtp_compile.apps.bench_speed import KINDS, PRESETS, program, run
 from rtp_compile.apps.models import TinyGPT
 
 
@@ -40,7 +41,7 @@ def test_bench_smoke_run_measures_every_kind(tmp_path):
     params = sum(p.numel() * 4 for p in model.parameters())
     assert by_kind["ddp"]["sent_mb"] * 1e6 == pytest.approx(params)  # all-reduce: 2(N-1)/N
     assert by_kind["tp"]["messages"] == 4 * PRESETS["tiny"][0].n_layer  # 2 forward, 2 back
-    assert by_kind["ddp"]["vs_ddp"] == 1.0
+    assert by_kind["ddp"]["vs_first"] == 1.0
     trace = json.loads((tmp_path / "trace_rtp_N2_rank0.json").read_text())["traceEvents"]
     assert any(e.get("name", "").startswith("rtp.wait") for e in trace)
     assert (tmp_path / "speed.png").stat().st_size > 0
@@ -61,3 +62,26 @@ def test_overhead_benchmark_measures_eager_and_compiled():
 def test_tensor_parallel_baseline_computes_the_model(seed):
     errors = rtp_compile.launch(tensor_parallel_matches, 2, args=(seed,), timeout=120)
     assert max(errors) <= 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_bucket_comparison_kinds_capture_alike_and_auto_takes_its_choice():
+    """`bench --buckets` compares "rtp-export" (default buckets) with "rtp-auto": both captured
+    by torch.export of one batch, so the only difference is the bucket size; an unknown kind
+    is refused before any rank starts."""
+    config, batch, seq = PRESETS["tiny"]
+    example = (torch.zeros(batch, seq, dtype=torch.long), "this-cpu")
+    progs = {}
+    for kind in ("rtp", "rtp-export", "rtp-auto"):
+        torch.manual_seed(0)
+        progs[kind] = program(kind, TinyGPT(config), 3, example)
+    assert str(progs["rtp"].plan) == str(progs["rtp-export"].plan)
+    assert progs["rtp-export"].ctx.buckets == progs["rtp"].ctx.buckets
+    choice = progs["rtp-auto"].ctx.bucket_choice
+    torch.manual_seed(0)
+    again = rtp_compile.transform(
+        TinyGPT(config), 3, example_inputs=example[:1], bucket_bytes=choice.chosen
+    )
+    assert progs["rtp-auto"].ctx.buckets == again.ctx.buckets
+    with pytest.raises(ValueError, match="unknown kinds"):
+        run(world_sizes=(2,), preset="tiny", kinds=("rtp", "nope"))

@@ -42,7 +42,10 @@ from rtp_compile.inspect.traces import profile_step
 from rtp_compile.runtime import ring
 from rtp_compile.runtime.launch import launch
 
-KINDS = ("ddp", "fsdp2", "tp", "rtp")
+KINDS = ("ddp", "fsdp2", "tp", "rtp")  # the default comparison
+# also available through `kinds` (`--kinds`): RTP with `bucket_bytes="auto"` and, to compare it
+# with like, RTP with the default buckets captured the same way (torch.export of one batch)
+CHOICES = KINDS + ("rtp-export", "rtp-auto")
 PRESETS = {  # name -> (model, sequences per batch, tokens per sequence)
     "gpt-small": (
         GPTConfig(vocab_size=2048, block_size=128, n_layer=4, n_head=8, n_embd=384),
@@ -78,6 +81,8 @@ class Setup:
     rounds: int
     steps: int
     trace_dir: str
+    kinds: tuple[str, ...] = KINDS
+    hardware: object = None  # the description "rtp-auto" plans for (None: its default)
 
 
 def head_parallel(model: TinyGPT, mesh) -> TinyGPT:
@@ -115,8 +120,10 @@ def head_parallel(model: TinyGPT, mesh) -> TinyGPT:
     return model
 
 
-def prepare(kind: str, rank: int, world_size: int, config: GPTConfig, device):
-    """A fresh model (the same initial weights on every rank) prepared as `kind`."""
+def prepare(kind: str, rank: int, world_size: int, config: GPTConfig, device, example=None):
+    """A fresh model (the same initial weights on every rank) prepared as `kind`; "rtp-export"
+    and "rtp-auto" capture it with torch.export of `example` (a batch of token ids), the
+    latter with `bucket_bytes="auto"` (`example` may be a `(batch, hardware)` pair)."""
     torch.manual_seed(0)
     model = TinyGPT(config).to(device)
     if kind == "ddp":
@@ -132,7 +139,28 @@ def prepare(kind: str, rank: int, world_size: int, config: GPTConfig, device):
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         return fully_shard(model, mesh=mesh)
-    return transform(model, world_size).module(rank)
+    return program(kind, model, world_size, example).module(rank)
+
+
+def program(kind: str, model, world_size: int, example=None):
+    """RTP's program for `kind` ("rtp", "rtp-export", "rtp-auto"; see `prepare`)."""
+    if kind == "rtp":
+        return transform(model, world_size)
+    batch, hardware = example if isinstance(example, tuple) else (example, None)
+    if batch is None:
+        raise ValueError(f"bench: kind {kind!r} captures the model with an example batch")
+    if kind == "rtp-export":
+        return transform(model, world_size, example_inputs=(batch,))
+    if kind == "rtp-auto":
+        return transform(
+            model, world_size, example_inputs=(batch,), bucket_bytes="auto", hardware=hardware
+        )
+    raise ValueError(f"bench: unknown kind {kind!r} (one of {', '.join(CHOICES)})")
+
+
+def example_batch(setup) -> torch.Tensor:
+    """One per-rank batch of token ids (what the export kinds are captured with)."""
+    return torch.zeros(setup.batch, setup.seq_len, dtype=torch.long)
 
 
 def _comm_of(trace: list[dict], world_size: int) -> tuple[int, float]:
@@ -168,12 +196,13 @@ def measure(rank: int, world_size: int, setup: Setup) -> dict:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    cfg = setup.config
-    models = {k: prepare(k, rank, world_size, cfg, device) for k in KINDS}
+    cfg, kinds = setup.config, setup.kinds
+    example = (example_batch(setup).to(device), setup.hardware)
+    models = {k: prepare(k, rank, world_size, cfg, device, example) for k in kinds}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
-    gens = {k: torch.Generator().manual_seed(0 if k == "tp" else rank + 1) for k in KINDS}
+    gens = {k: torch.Generator().manual_seed(0 if k == "tp" else rank + 1) for k in kinds}
     # the same global batch for every kind: tensor parallel ranks share the N batches
-    batches = {k: setup.batch * (world_size if k == "tp" else 1) for k in KINDS}
+    batches = {k: setup.batch * (world_size if k == "tp" else 1) for k in kinds}
 
     def step(kind):
         idx = torch.randint(
@@ -192,13 +221,13 @@ def measure(rank: int, world_size: int, setup: Setup) -> dict:
     if rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(KINDS) * (setup.rounds + 3), desc=f"N={world_size}", leave=False)
-    times = {k: [] for k in KINDS}
-    for kind in KINDS:
+        bar = tqdm(total=len(kinds) * (setup.rounds + 3), desc=f"N={world_size}", leave=False)
+    times = {k: [] for k in kinds}
+    for kind in kinds:
         step(kind)  # warm-up: optimizer state, first-call costs
         bar and bar.update()
     for r in range(setup.rounds):
-        for kind in KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]:
+        for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
             times[kind].append([step(kind) for _ in range(setup.steps)])
             bar and bar.update()
     out = {
@@ -206,9 +235,9 @@ def measure(rank: int, world_size: int, setup: Setup) -> dict:
             "rounds": [statistics.median(t) for t in times[k]],
             "all": [s for t in times[k] for s in t],
         }
-        for k in KINDS
+        for k in kinds
     }
-    for kind in KINDS:
+    for kind in kinds:
         hops, sent = ring.traffic["hops"], ring.traffic["bytes"]
         path = pathlib.Path(setup.trace_dir) / f"trace_{kind}_N{world_size}_rank{rank}.json"
         seconds, trace = profile_step(
@@ -216,7 +245,7 @@ def measure(rank: int, world_size: int, setup: Setup) -> dict:
         )
         if rank:
             path.unlink()  # rank 0's trace is kept
-        if kind == "rtp":
+        if kind.startswith("rtp"):
             messages, bytes_sent = ring.traffic["hops"] - hops, ring.traffic["bytes"] - sent
             waiting = (
                 sum(e.get("dur", 0) for e in trace if e.get("name", "").startswith("rtp.wait"))
@@ -227,7 +256,7 @@ def measure(rank: int, world_size: int, setup: Setup) -> dict:
             messages, bytes_sent = _comm_of(trace, world_size)
         out[kind].update(messages=messages, bytes=bytes_sent)
         bar and bar.update()
-    for kind in KINDS:
+    for kind in kinds:
         tracker = MemTracker()
         tracker.track_external(models[kind], opts[kind])
         with tracker:
@@ -239,17 +268,26 @@ def measure(rank: int, world_size: int, setup: Setup) -> dict:
     return out
 
 
-def predict(config: GPTConfig, batch: int, seq_len: int, world_size: int, hardware) -> dict:
-    """The time model's step of DDP, FSDP2 and RTP on the bench's model and per-rank batch:
-    kind -> `cost.time.StepTime`."""
+def predict(setup: Setup, world_size: int, hardware) -> dict:
+    """The time model's step of each of the setup's kinds it predicts (DDP, FSDP2 and the RTP
+    kinds) on the bench's model and per-rank batch: kind -> `cost.time.StepTime`."""
     from rtp_compile import cost
 
     torch.manual_seed(0)
-    prog = transform(TinyGPT(config), world_size)
-    return {
-        kind: f(prog, batch, seq_len, hardware=hardware).time
+    prog = transform(TinyGPT(setup.config), world_size)
+    b, s = setup.batch, setup.seq_len
+    out = {
+        kind: f(prog, b, s, hardware=hardware).time
         for kind, f in zip(PREDICTED, (cost.ddp, cost.fsdp, cost.rtp))
+        if kind in setup.kinds
     }
+    for kind in setup.kinds:
+        if kind in ("rtp-export", "rtp-auto"):
+            torch.manual_seed(0)
+            example = (example_batch(setup), hardware)
+            other = program(kind, TinyGPT(setup.config), world_size, example)
+            out[kind] = other.cost(b, s, hardware=hardware).time
+    return out
 
 
 def run(
@@ -261,22 +299,41 @@ def run(
     batch: int | None = None,
     seq_len: int | None = None,
     hardware=None,
+    kinds=KINDS,
 ) -> list[dict]:
-    """Measure every kind at every world size; print the table, save the plot and traces;
-    return the rows (with `hardware`: each predicted kind's `predicted_ms` and `error`)."""
+    """Measure every kind (of `CHOICES`) at every world size; print the table, save the plot
+    and traces; return the rows (`vs_first`: step / the first kind's, DDP's by default; with
+    `hardware`: each predicted kind's `predicted_ms` and `error`)."""
     config, default_batch, default_seq = PRESETS[preset]
-    setup = Setup(config, batch or default_batch, seq_len or default_seq, rounds, steps, out)
+    unknown = [k for k in kinds if k not in CHOICES]
+    if unknown or not kinds:
+        raise ValueError(f"bench: unknown kinds {unknown} (choose from {', '.join(CHOICES)})")
+    setup = Setup(
+        config,
+        batch or default_batch,
+        seq_len or default_seq,
+        rounds,
+        steps,
+        out,
+        tuple(kinds),
+        hardware,
+    )
     pathlib.Path(out).mkdir(parents=True, exist_ok=True)
     rows = []
     for n in world_sizes:
         ranks = launch(
             measure, n, args=(setup,), timeout=1800, env={"KINETO_LOG_LEVEL": "6"}
         )  # no profiler start/stop lines
-        predicted = predict(config, setup.batch, setup.seq_len, n, hardware) if hardware else {}
-        for kind in KINDS:
+        predicted = predict(setup, n, hardware) if hardware else {}
+        if "rtp-auto" in setup.kinds:
+            torch.manual_seed(0)
+            auto = program("rtp-auto", TinyGPT(config), n, (example_batch(setup), hardware))
+            print(f"N={n}: {auto.ctx.bucket_choice}")
+        first = ranks[0][setup.kinds[0]]["rounds"]
+        for kind in setup.kinds:
             per_rank = [r[kind] for r in ranks]
             step_s = statistics.median(per_rank[0]["all"])
-            ratios = [k / d for k, d in zip(per_rank[0]["rounds"], ranks[0]["ddp"]["rounds"])]
+            ratios = [k / d for k, d in zip(per_rank[0]["rounds"], first)]
             tokens = setup.batch * setup.seq_len * n  # the global batch, every kind
             rows.append(
                 {
@@ -284,7 +341,7 @@ def run(
                     "kind": kind,
                     "step_ms": step_s * 1e3,
                     "tokens_per_s": tokens / step_s,
-                    "vs_ddp": statistics.median(ratios),
+                    "vs_first": statistics.median(ratios),
                     "peak_mb": max(r["peak"] for r in per_rank) / 1e6,
                     "sent_mb": max(r["bytes"] for r in per_rank) / 1e6,
                     "messages": max(r["messages"] for r in per_rank),
@@ -308,7 +365,7 @@ def run(
                     "kind",
                     "step ms",
                     "tokens/s",
-                    "step / DDP",
+                    f"step / {setup.kinds[0]}",
                     "peak MB/rank",
                     "sent MB/rank",
                     "messages",
@@ -322,7 +379,7 @@ def run(
                     r["kind"],
                     f"{r['step_ms']:.1f}",
                     f"{r['tokens_per_s']:,.0f}",
-                    f"{r['vs_ddp']:.2f}",
+                    f"{r['vs_first']:.2f}",
                     f"{r['peak_mb']:.2f}",
                     f"{r['sent_mb']:.2f}",
                     r["messages"],
@@ -345,12 +402,12 @@ def run(
         "per step and rank; messages: collectives and sends (RTP: ring hops); exposed comm: "
         "RTP's time waiting on ring receives / step time"
     )
-    _plot(rows, pathlib.Path(out))
+    _plot(rows, setup.kinds, pathlib.Path(out))
     print(f"traces (rank 0, Perfetto): {out}/trace_<kind>_N<n>_rank0.json")
     return rows
 
 
-def _plot(rows: list[dict], out: pathlib.Path) -> None:
+def _plot(rows: list[dict], kinds, out: pathlib.Path) -> None:
     try:
         import matplotlib
     except ImportError:
@@ -361,8 +418,8 @@ def _plot(rows: list[dict], out: pathlib.Path) -> None:
 
     sizes = sorted({r["N"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    width = 0.8 / len(KINDS)
-    for i, kind in enumerate(KINDS):
+    width = 0.8 / len(kinds)
+    for i, kind in enumerate(kinds):
         mine = [next(r for r in rows if r["N"] == n and r["kind"] == kind) for n in sizes]
         where = [j + i * width for j in range(len(sizes))]
         axes[0].bar(where, [r["tokens_per_s"] for r in mine], width, label=kind)
@@ -386,6 +443,14 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (preset's default)")
     parser.add_argument("--out", default="benchmarks/out")
     parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=CHOICES,
+        default=list(KINDS),
+        help="what to compare (the first is the ratios' base); rtp-auto: bucket_bytes='auto' "
+        "(on --predict's description), rtp-export: default buckets, captured the same way",
+    )
+    parser.add_argument(
         "--predict", metavar="HARDWARE", help="also the time model's step on this description"
     )
     args = parser.parse_args(argv)
@@ -398,4 +463,5 @@ def main(argv=None) -> list[dict]:
         args.batch,
         args.seq_len,
         args.predict,
+        args.kinds,
     )

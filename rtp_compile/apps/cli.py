@@ -169,6 +169,20 @@ def _parser() -> argparse.ArgumentParser:
         "default this-cpu; rtp-compile calibrate writes a fresh one)",
     )
     bench.add_argument(
+        "--buckets",
+        nargs="?",
+        const="this-cpu",
+        metavar="HARDWARE",
+        help="instead: bucket_bytes='auto' (planned on HARDWARE, default this-cpu) against the "
+        "default buckets, both captured with torch.export: step time, peak, predictions",
+    )
+    bench.add_argument(
+        "--kinds",
+        nargs="+",
+        help="what to compare, the first the ratios' base (default ddp fsdp2 tp rtp; also "
+        "rtp-export, rtp-auto)",
+    )
+    bench.add_argument(
         "--preset",
         default="gpt-small",
         help="model and batch: gpt-small (default), gpt2-124m, tiny, demo",
@@ -354,11 +368,22 @@ def _run_bench(args: argparse.Namespace) -> None:
             out=args.out,
         )
         return
-    from rtp_compile.apps.bench_speed import PRESETS, run
+    from rtp_compile.apps.bench_speed import CHOICES, KINDS, PRESETS, run
 
     if args.preset not in PRESETS:
         raise UsageError(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
-    run(args.world_sizes or [2, 4], args.preset, args.rounds, args.steps, args.out)
+    kinds = ("rtp-export", "rtp-auto") if args.buckets else tuple(args.kinds or KINDS)
+    if any(k not in CHOICES for k in kinds):
+        raise UsageError(f"--kinds must be among {', '.join(CHOICES)}, got {' '.join(kinds)}")
+    run(
+        args.world_sizes or [2, 4],
+        args.preset,
+        args.rounds,
+        args.steps,
+        args.out,
+        hardware=args.buckets,
+        kinds=kinds,
+    )
 
 
 def _run_calibrate(args: argparse.Namespace) -> None:
