@@ -70,17 +70,17 @@ def test_bucket_comparison_kinds_capture_alike_and_auto_takes_its_choice():
     by torch.export of one batch, so the only difference is the bucket size; an unknown kind
     is refused before any rank starts."""
     config, batch, seq = PRESETS["tiny"]
-    example = (torch.zeros(batch, seq, dtype=torch.long), "this-cpu")
+    example = torch.zeros(batch, seq, dtype=torch.long)
     progs = {}
     for kind in ("rtp", "rtp-export", "rtp-auto"):
         torch.manual_seed(0)
-        progs[kind] = program(kind, TinyGPT(config), 3, example)
+        progs[kind] = program(kind, TinyGPT(config), 3, example, hardware="this-cpu")
     assert str(progs["rtp"].plan) == str(progs["rtp-export"].plan)
     assert progs["rtp-export"].ctx.buckets == progs["rtp"].ctx.buckets
     choice = progs["rtp-auto"].ctx.bucket_choice
     torch.manual_seed(0)
     again = rtp_compile.transform(
-        TinyGPT(config), 3, example_inputs=example[:1], bucket_bytes=choice.chosen
+        TinyGPT(config), 3, example_inputs=(example,), bucket_bytes=choice.chosen
     )
     assert progs["rtp-auto"].ctx.buckets == again.ctx.buckets
     with pytest.raises(ValueError, match="unknown kinds"):

@@ -83,6 +83,12 @@ class Setup:
     trace_dir: str
     kinds: tuple[str, ...] = KINDS
     hardware: object = None  # the description "rtp-auto" plans for (None: its default)
+    budget: int | None = None  # "rtp-auto"'s max_bytes_in_flight (None: the default's bound)
+
+    @property
+    def auto(self) -> dict:
+        """transform's options for "rtp-auto" besides bucket_bytes."""
+        return {"hardware": self.hardware, "max_bytes_in_flight": self.budget}
 
 
 def head_parallel(model: TinyGPT, mesh) -> TinyGPT:
@@ -120,10 +126,10 @@ def head_parallel(model: TinyGPT, mesh) -> TinyGPT:
     return model
 
 
-def prepare(kind: str, rank: int, world_size: int, config: GPTConfig, device, example=None):
+def prepare(kind: str, rank: int, world_size: int, config: GPTConfig, device, example=None, **auto):
     """A fresh model (the same initial weights on every rank) prepared as `kind`; "rtp-export"
     and "rtp-auto" capture it with torch.export of `example` (a batch of token ids), the
-    latter with `bucket_bytes="auto"` (`example` may be a `(batch, hardware)` pair)."""
+    latter with `bucket_bytes="auto"` and `auto`'s options (`hardware`, `max_bytes_in_flight`)."""
     torch.manual_seed(0)
     model = TinyGPT(config).to(device)
     if kind == "ddp":
@@ -139,22 +145,19 @@ def prepare(kind: str, rank: int, world_size: int, config: GPTConfig, device, ex
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         return fully_shard(model, mesh=mesh)
-    return program(kind, model, world_size, example).module(rank)
+    return program(kind, model, world_size, example, **auto).module(rank)
 
 
-def program(kind: str, model, world_size: int, example=None):
+def program(kind: str, model, world_size: int, example=None, **auto):
     """RTP's program for `kind` ("rtp", "rtp-export", "rtp-auto"; see `prepare`)."""
     if kind == "rtp":
         return transform(model, world_size)
-    batch, hardware = example if isinstance(example, tuple) else (example, None)
-    if batch is None:
+    if example is None:
         raise ValueError(f"bench: kind {kind!r} captures the model with an example batch")
     if kind == "rtp-export":
-        return transform(model, world_size, example_inputs=(batch,))
+        return transform(model, world_size, example_inputs=(example,))
     if kind == "rtp-auto":
-        return transform(
-            model, world_size, example_inputs=(batch,), bucket_bytes="auto", hardware=hardware
-        )
+        return transform(model, world_size, example_inputs=(example,), bucket_bytes="auto", **auto)
     raise ValueError(f"bench: unknown kind {kind!r} (one of {', '.join(CHOICES)})")
 
 
@@ -197,8 +200,8 @@ def measure(rank: int, world_size: int, setup: Setup) -> dict:
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     cfg, kinds = setup.config, setup.kinds
-    example = (example_batch(setup).to(device), setup.hardware)
-    models = {k: prepare(k, rank, world_size, cfg, device, example) for k in kinds}
+    example = example_batch(setup).to(device)
+    models = {k: prepare(k, rank, world_size, cfg, device, example, **setup.auto) for k in kinds}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     gens = {k: torch.Generator().manual_seed(0 if k == "tp" else rank + 1) for k in kinds}
     # the same global batch for every kind: tensor parallel ranks share the N batches
@@ -284,8 +287,10 @@ def predict(setup: Setup, world_size: int, hardware) -> dict:
     for kind in setup.kinds:
         if kind in ("rtp-export", "rtp-auto"):
             torch.manual_seed(0)
-            example = (example_batch(setup), hardware)
-            other = program(kind, TinyGPT(setup.config), world_size, example)
+            options = {**setup.auto, "hardware": hardware}
+            other = program(
+                kind, TinyGPT(setup.config), world_size, example_batch(setup), **options
+            )
             out[kind] = other.cost(b, s, hardware=hardware).time
     return out
 
@@ -300,6 +305,7 @@ def run(
     seq_len: int | None = None,
     hardware=None,
     kinds=KINDS,
+    budget: int | None = None,
 ) -> list[dict]:
     """Measure every kind (of `CHOICES`) at every world size; print the table, save the plot
     and traces; return the rows (`vs_first`: step / the first kind's, DDP's by default; with
@@ -317,6 +323,7 @@ def run(
         out,
         tuple(kinds),
         hardware,
+        budget,
     )
     pathlib.Path(out).mkdir(parents=True, exist_ok=True)
     rows = []
@@ -327,7 +334,7 @@ def run(
         predicted = predict(setup, n, hardware) if hardware else {}
         if "rtp-auto" in setup.kinds:
             torch.manual_seed(0)
-            auto = program("rtp-auto", TinyGPT(config), n, (example_batch(setup), hardware))
+            auto = program("rtp-auto", TinyGPT(config), n, example_batch(setup), **setup.auto)
             print(f"N={n}: {auto.ctx.bucket_choice}")
         first = ranks[0][setup.kinds[0]]["rounds"]
         for kind in setup.kinds:
@@ -451,6 +458,9 @@ def main(argv=None) -> list[dict]:
         "(on --predict's description), rtp-export: default buckets, captured the same way",
     )
     parser.add_argument(
+        "--budget", type=int, help="rtp-auto's max_bytes_in_flight (default: the default's bound)"
+    )
+    parser.add_argument(
         "--predict", metavar="HARDWARE", help="also the time model's step on this description"
     )
     args = parser.parse_args(argv)
@@ -464,4 +474,5 @@ def main(argv=None) -> list[dict]:
         args.seq_len,
         args.predict,
         args.kinds,
+        args.budget,
     )

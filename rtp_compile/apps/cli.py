@@ -177,6 +177,13 @@ def _parser() -> argparse.ArgumentParser:
         "default buckets, both captured with torch.export: step time, peak, predictions",
     )
     bench.add_argument(
+        "--budget",
+        type=_positive_int,
+        metavar="BYTES",
+        help="with --buckets: the memory budget auto chooses under (max_bytes_in_flight; "
+        "default: what the default buckets hold)",
+    )
+    bench.add_argument(
         "--kinds",
         nargs="+",
         help="what to compare, the first the ratios' base (default ddp fsdp2 tp rtp; also "
@@ -383,6 +390,7 @@ def _run_bench(args: argparse.Namespace) -> None:
         args.out,
         hardware=args.buckets,
         kinds=kinds,
+        budget=args.budget,
     )
 
 
