@@ -49,9 +49,11 @@ def test_bench_smoke_run_measures_every_kind(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_overhead_benchmark_measures_eager_and_compiled():
-    rows = overhead.run(world_sizes=(2,), rounds=1, steps=1)
-    assert [(r["mode"], r["N"]) for r in rows] == [("eager", 2), ("compiled", 2)]
+def test_overhead_benchmark_measures_the_rank_step_against_the_unsharded_one():
+    # eager only: the compiled mode's rank program is tested compiling in test_compile_rank
+    # (inductor and aot_eager), and compiling it again here cost a minute of CI
+    rows = overhead.run(world_sizes=(2,), rounds=1, steps=1, modes=("eager",))
+    assert [(r["mode"], r["N"]) for r in rows] == [("eager", 2)]
     # a rank does the unsharded model's work and more: its step is never faster than a
     # tenth of it, and both are real times
     assert all(r["unsharded_ms"] > 0 and r["rank_ms"] > 0.1 * r["unsharded_ms"] for r in rows)

@@ -13,7 +13,7 @@ from rtp_compile.apps.calibrate import run
 from rtp_compile.apps.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-COMPUTE = {"matmul_flops", "memory_bandwidth", "op_overhead_s"}
+COMPUTE = {"matmul_flops", "memory_bandwidth", "op_overhead_s", "backward_factor"}
 FITS = {"ring_hop", "all_reduce", "all_gather", "reduce_scatter"}
 
 
@@ -26,6 +26,7 @@ def _check_compute(compute: dict) -> None:
     assert "float32" in compute["matmul_flops"]
     assert all(_positive(v) for v in compute["matmul_flops"].values())
     assert _positive(compute["memory_bandwidth"]) and _positive(compute["op_overhead_s"])
+    assert 1 < compute["backward_factor"] < 10  # a block's backward: more than its forward
 
 
 @pytest.mark.slow

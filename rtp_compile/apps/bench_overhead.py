@@ -78,10 +78,11 @@ def measure(world_size: int, mode: str, rounds: int, steps: int) -> dict:
         dist.destroy_process_group()
 
 
-def run(world_sizes=(2, 4, 8), rounds: int = 5, steps: int = 5) -> list[dict]:
-    """Measure every (mode, N) in its own process; print the table; return its rows."""
+def run(world_sizes=(2, 4, 8), rounds: int = 5, steps: int = 5, modes=MODES) -> list[dict]:
+    """Measure every (mode of `modes`, N) in its own process; print the table; return its
+    rows."""
     rows = []
-    for mode in MODES:
+    for mode in modes:
         for n in world_sizes:
             one = [sys.executable, "-m", "rtp_compile.apps.bench_overhead", "--one", mode]
             one += [str(n), str(rounds), str(steps)]

@@ -47,6 +47,9 @@ MATMUL_SHAPES = [(512, 384, 1152), (512, 384, 384), (512, 1536, 384)]  # M, K, N
 STALL_S = 2e-3  # a communication call this slow waited for something (gloo here: ~4 ms)
 BANDWIDTH_BYTES = 16 * MIB  # each of the elementwise op's three tensors
 OP_CHAIN = 64  # tiny ops per forward of the dispatch measurement
+BLOCK = dict(n_embd=384, n_head=8, block_size=128)  # the backward factor's block: gpt-small's
+BLOCK_BATCH = 4
+COMPUTE = ("matmul_flops", "memory_bandwidth", "op_overhead_s", "backward_factor")
 COMMS = ("ring_hop", "all_reduce", "all_gather", "reduce_scatter")
 LAYERS, WIDTH, BATCH = 4, 64, 16  # the runtime overhead's model: LAYERS x Linear(WIDTH, WIDTH)
 
@@ -156,6 +159,25 @@ def _op_overhead(s: Settings) -> float:
     return _median_time(chain, 5 * s.compute_repeats, 5) / (OP_CHAIN + 1)
 
 
+def _backward_factor(s: Settings) -> float:
+    """A transformer block's backward time over its forward's (TinyGPT's block at BLOCK's
+    shape, batch BLOCK_BATCH, autograd recording in both): what the time model multiplies each
+    op's forward by (2 for a matmul alone; attention, norms and activations' backward more)."""
+    from rtp_compile.apps.models import Block, GPTConfig
+
+    torch.manual_seed(0)
+    block = Block(GPTConfig(n_layer=1, **BLOCK))
+    x = torch.randn(BLOCK_BATCH, BLOCK["block_size"], BLOCK["n_embd"], requires_grad=True)
+    repeats = 3 * s.compute_repeats  # a few ms each; interleaved against drift
+    forward_s: list[float] = []
+    both_s: list[float] = []
+    for _ in range(repeats):
+        forward_s += _times(lambda: block(x), 1, 1)
+        both_s += _times(lambda: block(x).sum().backward(), 1, 1)
+    forward, both = statistics.median(forward_s), statistics.median(both_s)
+    return max(both - forward, 0.0) / forward
+
+
 def _comm_fn(op: str, nbytes: int, rank: int, world_size: int) -> tuple[Callable[[], None], int]:
     """One call of communication `op` with a float32 tensor of about `nbytes`, and the bytes
     it counts (a ring hop: the message; all-reduce: the tensor; all-gather: its output;
@@ -204,6 +226,8 @@ def measure_rank(rank: int, world_size: int, s: Settings) -> dict:
     out["memory_bandwidth"] = _memory_bandwidth(s)
     dist.barrier()
     out["op_overhead_s"] = _op_overhead(s)
+    dist.barrier()
+    out["backward_factor"] = _backward_factor(s)
     # Rounds over every op and size, so that a stretch of stalls (gloo's calls here take ~4 ms
     # now and then, a tight loop of hops most: see the ring_hop note) is spread over them all.
     calls = {
@@ -368,6 +392,7 @@ def _median_over_ranks(ranks: list[dict]) -> dict:
         },
         "memory_bandwidth": statistics.median(r["memory_bandwidth"] for r in ranks),
         "op_overhead_s": statistics.median(r["op_overhead_s"] for r in ranks),
+        "backward_factor": statistics.median(r["backward_factor"] for r in ranks),
     }
     for op in COMMS:
         out[op] = [
@@ -449,7 +474,7 @@ def run(
     busy["runtime overhead"] = other_work(before, proc_stat(), own)
     for n in world_sizes:
         one = raw[n]
-        entry: dict = {k: one[k] for k in ("matmul_flops", "memory_bandwidth", "op_overhead_s")}
+        entry: dict = {k: one[k] for k in COMPUTE}
         for op in COMMS:  # the means: a step's time is a sum of many, stalls included
             a, b, clamped = fit_line(one[f"{op}_mean"])
             entry[op] = [a, b]
@@ -481,7 +506,8 @@ def run(
         f"{BANDWIDTH_BYTES // MIB} MiB float32 tensors, 3 x {BANDWIDTH_BYTES // MIB} MiB per op; "
         "op_overhead_s: "
         f"forward + backward of a chain of {OP_CHAIN} mul/add ops and a sum on a 1 x 8 tensor "
-        "requiring grad, per forward op",
+        "requiring grad, per forward op; backward_factor: (forward + backward - forward) / "
+        f"forward of TinyGPT's block {BLOCK}, batch {BLOCK_BATCH}, medians",
         f"communication: gloo, float32, {s.sizes[0]} .. {s.sizes[-1]} bytes "
         f"({len(s.sizes)} sizes), [a s, b s/byte] of seconds = a + b * bytes, least squares on "
         "the relative error; bytes: ring_hop the message, all_reduce the tensor, all_gather "
@@ -526,7 +552,7 @@ def run(
         "cores": os.cpu_count(),
         "host_runs_ahead": False,  # eager on a CPU: an op runs when issued
         "overlap": False,  # gloo on one machine: the kernel copies a message on the sender's core
-        "compute": {k: first[k] for k in ("matmul_flops", "memory_bandwidth", "op_overhead_s")},
+        "compute": {k: first[k] for k in COMPUTE},
         "levels": [{"name": "loopback (gloo)", "ranks": None, "latency_s": a, "bandwidth": 1 / b}],
         "runtime": {
             key: first[key]
@@ -568,6 +594,7 @@ def _table(measured: dict[str, dict], raw: dict[int, dict]) -> str:
         )
     rows.append(["memory GB/s"] + [_fmt(measured[n]["memory_bandwidth"], 1e-9) for n in ns])
     rows.append(["eager op us"] + [_fmt(measured[n]["op_overhead_s"], 1e6) for n in ns])
+    rows.append(["backward / forward"] + [_fmt(measured[n]["backward_factor"], 1) for n in ns])
     for op in COMMS:
         rows.append([f"{op} latency us"] + [_fmt(measured[n][op][0], 1e6) for n in ns])
         rows.append([f"{op} GB/s (1/b)"] + [_fmt(1 / measured[n][op][1], 1e-9) for n in ns])

@@ -15,7 +15,8 @@ sender's core), `host_runs_ahead`: whether the host issues work before the devic
 
 A description is JSON (the calibrated one's keys; specs leave out `measured`):
 {"name", "source", "cores", "host_runs_ahead", "overlap", "compute": {"matmul_flops":
-{"float32": .., "bfloat16": ..}, "memory_bandwidth", "op_overhead_s"}, "levels": [{"name",
+{"float32": .., "bfloat16": ..}, "memory_bandwidth", "op_overhead_s", "backward_factor"
+(optional: a block's backward time over its forward's, 2 where not measured)}, "levels": [{"name",
 "ranks", "latency_s", "bandwidth"}], "runtime": {"rtp_step_overhead_s", "fsdp_block_overhead_s",
 "fsdp_optimizer_overhead_s"}, "measured": {"N":
 {...}}, "notes": [...]}.
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 _SHIPPED = pathlib.Path(__file__).with_name("descriptions")
 _DTYPE_OF_ITEMSIZE = {8: "float64", 4: "float32", 2: "bfloat16", 1: "float8"}
+DEFAULT_BACKWARD_FACTOR = 2.0  # a matmul's backward: two matmuls of its size
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class Rates:
     matmul_flops: dict[str, float]
     memory_bandwidth: float
     op_overhead_s: float
+    backward_factor: float  # an op's backward time over its forward's
     rtp_step_overhead_s: float
     fsdp_block_overhead_s: float  # FSDP2's own cost per block and step (hooks, copies)
     fsdp_optimizer_overhead_s: float  # per parameter tensor: the optimizer's ops on DTensors
@@ -143,6 +146,7 @@ class Hardware:
             matmul_flops={d: v * share for d, v in compute["matmul_flops"].items()},
             memory_bandwidth=float(compute["memory_bandwidth"]) * share,
             op_overhead_s=float(compute["op_overhead_s"]) / share,
+            backward_factor=float(compute.get("backward_factor", DEFAULT_BACKWARD_FACTOR)),
             rtp_step_overhead_s=float(runtime.get("rtp_step_overhead_s", 0.0)) / share,
             fsdp_block_overhead_s=float(runtime.get("fsdp_block_overhead_s", 0.0)) / share,
             fsdp_optimizer_overhead_s=float(runtime.get("fsdp_optimizer_overhead_s", 0.0)) / share,
@@ -175,7 +179,8 @@ class Hardware:
         )
         return (
             f"{self.name}: matmul {flops}; memory {r.memory_bandwidth / 1e9:.3g} GB/s; "
-            f"{r.op_overhead_s * 1e6:.3g} us per op; RTP runtime "
+            f"{r.op_overhead_s * 1e6:.3g} us per op; backward {r.backward_factor:.3g} x "
+            f"forward; RTP runtime "
             f"{r.rtp_step_overhead_s * 1e6:.3g} us per unit-step; {link}"
         )
 

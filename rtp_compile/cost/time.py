@@ -3,7 +3,8 @@ batch and world size, before anything runs (`prog.cost(..., hardware=...).step_t
 
 Each op of the forward (`cost.profile`: its FLOPs and bytes, measured on fake tensors) costs
 its launch plus the longer of its arithmetic and its memory traffic at the hardware's rates
-(`cost.hardware`); its backward twice that. A rank has two resources, its compute stream and
+(`cost.hardware`); its backward `backward_factor` times that (2, a matmul's two, unless
+calibrated on a transformer block). A rank has two resources, its compute stream and
 its link, and each kind's step is replayed on them in program order:
 
 - DDP: forward, then backward; each 25 MiB gradient bucket (in reverse parameter order, as
@@ -45,7 +46,6 @@ DDP_BUCKET_BYTES = 25 * 2**20
 DDP_FIRST_BUCKET_BYTES = 2**20
 OPTIMIZER_OPS_PER_TENSOR = 8
 OPTIMIZER_BYTES_PER_ELEMENT = 19
-BACKWARD_FACTOR = 2.0
 FORWARD_SHARE_OF_STEP_OVERHEAD = 1 / 3  # the runtime's per-step cost: forward's share
 
 
@@ -172,9 +172,9 @@ def ddp_time(params: dict, profile: Profile, rates: Rates, hardware: str = "") -
     rank.compute(_ops_time(profile.ops, rates) + _loss_time(profile, rates))
     ready: dict[str, float] = {}
     order = list(reversed(profile.ops))
-    rank.compute(BACKWARD_FACTOR * _loss_time(profile, rates))
+    rank.compute(rates.backward_factor * _loss_time(profile, rates))
     for op in order:
-        rank.compute(BACKWARD_FACTOR * _ops_time([op], rates))
+        rank.compute(rates.backward_factor * _ops_time([op], rates))
         for name in op.reads:
             ready.setdefault(name, rank.t)  # the first backward use: its gradient complete
     buckets, size, cap = [[]], 0, DDP_FIRST_BUCKET_BYTES
@@ -258,14 +258,14 @@ def fsdp_time(
                 segments, position, issued, rates.host_runs_ahead, FORWARD_SHARE_OF_STEP_OVERHEAD
             )
         rank.compute(_ops_time(ops, rates))
-    rank.compute(_loss_time(profile, rates) * (1 + BACKWARD_FACTOR))
+    rank.compute(_loss_time(profile, rates) * (1 + rates.backward_factor))
     issued = {}
     scattered = 0.0
     backward = list(reversed(segments))
     for position, (key, ops) in enumerate(backward):
         if key is not None:  # backward prefetch: always
             unshard(backward, position, issued, True, 1 - FORWARD_SHARE_OF_STEP_OVERHEAD)
-        rank.compute(BACKWARD_FACTOR * _ops_time(ops, rates))
+        rank.compute(rates.backward_factor * _ops_time(ops, rates))
         if key is not None and n > 1:
             scattered = rank.send(rates.reduce_scatter(full[key]), rank.t)
     if n > 1:
@@ -389,7 +389,7 @@ def rtp_time(
             rank.wait(times[s])
             last_step_start = rank.t
             rank.compute(step)
-    rank.compute(_loss_time(profile, rates) * (1 + BACKWARD_FACTOR))
+    rank.compute(_loss_time(profile, rates) * (1 + rates.backward_factor))
     fetched: dict[str, list[float]] = {}
     rows_left = {b: len(members) for b, members in buckets.items()}
     produced: dict[str, float] = {}  # parameter -> when its shard's gradient is complete
@@ -397,16 +397,16 @@ def rtp_time(
     def backward(unit, ops) -> list[str]:
         """Replay one segment's backward; the units whose gradients it completes."""
         if unit is None or unit.kind == UnitKind.SMALL or n == 1:
-            rank.compute(BACKWARD_FACTOR * _ops_time(ops, rates))
+            rank.compute(rates.backward_factor * _ops_time(ops, rates))
             return [] if unit is None else [unit.name]
         weights, grads = messages.get(bucket_of.get(unit.name, unit.name), (0.0, 0.0))
-        step = BACKWARD_FACTOR * _ops_time(ops, rates, n) + sigma_b
+        step = rates.backward_factor * _ops_time(ops, rates, n) + sigma_b
         if unit.kind == UnitKind.GATHER:
             arrived = rank.t
             for _ in range(n - 1):
                 arrived = rank.send(hop(weights), arrived)
             rank.wait(arrived)
-            rank.compute(BACKWARD_FACTOR * _ops_time(ops, rates))
+            rank.compute(rates.backward_factor * _ops_time(ops, rates))
             for _ in range(n - 1):
                 rank.wait(rank.send(hop(grads), rank.t))
             return [unit.name]
