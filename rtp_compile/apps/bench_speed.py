@@ -271,27 +271,33 @@ def measure(rank: int, world_size: int, setup: Setup) -> dict:
     return out
 
 
-def predict(setup: Setup, world_size: int, hardware) -> dict:
-    """The time model's step of each of the setup's kinds it predicts (DDP, FSDP2 and the RTP
-    kinds) on the bench's model and per-rank batch: kind -> `cost.time.StepTime`."""
-    from rtp_compile import cost
-
-    torch.manual_seed(0)
-    prog = transform(TinyGPT(setup.config), world_size)
-    b, s = setup.batch, setup.seq_len
-    out = {
-        kind: f(prog, b, s, hardware=hardware).time
-        for kind, f in zip(PREDICTED, (cost.ddp, cost.fsdp, cost.rtp))
-        if kind in setup.kinds
-    }
+def exported_programs(setup: Setup, world_size: int) -> dict:
+    """The setup's torch.export kinds ("rtp-export", "rtp-auto") as the ranks build them:
+    kind -> `RTPProgram` (for the predictions and the auto choice, built once per N)."""
+    out = {}
     for kind in setup.kinds:
         if kind in ("rtp-export", "rtp-auto"):
             torch.manual_seed(0)
-            options = {**setup.auto, "hardware": hardware}
-            other = program(
-                kind, TinyGPT(setup.config), world_size, example_batch(setup), **options
+            out[kind] = program(
+                kind, TinyGPT(setup.config), world_size, example_batch(setup), **setup.auto
             )
-            out[kind] = other.cost(b, s, hardware=hardware).time
+    return out
+
+
+def predict(setup: Setup, world_size: int, hardware, exported: dict) -> dict:
+    """The time model's step of each of the setup's kinds it predicts (DDP, FSDP2, RTP and
+    the `exported` programs) on the bench's model and per-rank batch: kind ->
+    `cost.time.StepTime`."""
+    from rtp_compile import cost
+
+    b, s = setup.batch, setup.seq_len
+    out = {kind: p.cost(b, s, hardware=hardware).time for kind, p in exported.items()}
+    if any(kind in setup.kinds for kind in PREDICTED):
+        torch.manual_seed(0)
+        prog = transform(TinyGPT(setup.config), world_size)
+        for kind, f in zip(PREDICTED, (cost.ddp, cost.fsdp, cost.rtp)):
+            if kind in setup.kinds:
+                out[kind] = f(prog, b, s, hardware=hardware).time
     return out
 
 
@@ -331,11 +337,10 @@ def run(
         ranks = launch(
             measure, n, args=(setup,), timeout=1800, env={"KINETO_LOG_LEVEL": "6"}
         )  # no profiler start/stop lines
-        predicted = predict(setup, n, hardware) if hardware else {}
-        if "rtp-auto" in setup.kinds:
-            torch.manual_seed(0)
-            auto = program("rtp-auto", TinyGPT(config), n, example_batch(setup), **setup.auto)
-            print(f"N={n}: {auto.ctx.bucket_choice}")
+        exported = exported_programs(setup, n)
+        if "rtp-auto" in exported:
+            print(f"N={n}: {exported['rtp-auto'].ctx.bucket_choice}")
+        predicted = predict(setup, n, hardware, exported) if hardware else {}
         first = ranks[0][setup.kinds[0]]["rounds"]
         for kind in setup.kinds:
             per_rank = [r[kind] for r in ranks]

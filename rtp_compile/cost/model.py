@@ -158,7 +158,7 @@ def _curve(
 
     scale = A / max(profile.activation_bytes, 1)  # activations enter as a share of A
     curve = [cumulative[i] * scale + extra(i) for i in sorted(keep)]
-    return _max(*curve) if len(curve) > 1 else curve[0]
+    return _max(*curve)
 
 
 def _max(*args) -> sympy.Expr:
@@ -179,7 +179,7 @@ def _buffers_at(units: list[tuple[set[int], sympy.Expr]]) -> dict:
     largest: dict[tuple, sympy.Expr] = {}
     for b in map(tuple, at.values()):
         if b not in largest:
-            largest[b] = _max(*b) if len(b) > 1 else b[0]
+            largest[b] = _max(*b)
     return {p: largest[tuple(b)] for p, b in at.items()}
 
 
