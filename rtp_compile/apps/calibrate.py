@@ -50,6 +50,7 @@ OP_CHAIN = 64  # tiny ops per forward of the dispatch measurement
 BLOCK = dict(n_embd=384, n_head=8, block_size=128)  # the backward factor's block: gpt-small's
 BLOCK_BATCH = 4
 COMPUTE = ("matmul_flops", "memory_bandwidth", "op_overhead_s", "backward_factor")
+RUNTIME = ("rtp_step_overhead_s", "fsdp_block_overhead_s", "fsdp_optimizer_overhead_s")
 COMMS = ("ring_hop", "all_reduce", "all_gather", "reduce_scatter")
 LAYERS, WIDTH, BATCH = 4, 64, 16  # the runtime overhead's model: LAYERS x Linear(WIDTH, WIDTH)
 
@@ -492,7 +493,7 @@ def run(
             notes.append(f"N={n} rtp_step_overhead_s measured {step_s:.3g} s, clamped to 1e-9")
             step_s = 1e-9
         entry["rtp_step_overhead_s"] = step_s
-        for key in ("fsdp_block_overhead_s", "fsdp_optimizer_overhead_s"):
+        for key in RUNTIME[1:]:  # the first, clamped above
             entry[key] = overhead[n][key]
         measured[str(n)] = entry
     first = measured[str(world_sizes[0])]
@@ -554,14 +555,7 @@ def run(
         "overlap": False,  # gloo on one machine: the kernel copies a message on the sender's core
         "compute": {k: first[k] for k in COMPUTE},
         "levels": [{"name": "loopback (gloo)", "ranks": None, "latency_s": a, "bandwidth": 1 / b}],
-        "runtime": {
-            key: first[key]
-            for key in (
-                "rtp_step_overhead_s",
-                "fsdp_block_overhead_s",
-                "fsdp_optimizer_overhead_s",
-            )
-        },
+        "runtime": {key: first[key] for key in RUNTIME},
         "measured": measured,
         "notes": notes,
     }
