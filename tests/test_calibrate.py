@@ -13,7 +13,13 @@ from rtp_compile.apps.calibrate import run
 from rtp_compile.apps.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-COMPUTE = {"matmul_flops", "memory_bandwidth", "op_overhead_s", "backward_factor"}
+COMPUTE = {
+    "matmul_flops",
+    "memory_bandwidth",
+    "op_overhead_s",
+    "backward_factor",
+    "compute_factor",
+}
 FITS = {"ring_hop", "all_reduce", "all_gather", "reduce_scatter"}
 
 
@@ -27,6 +33,9 @@ def _check_compute(compute: dict) -> None:
     assert all(_positive(v) for v in compute["matmul_flops"].values())
     assert _positive(compute["memory_bandwidth"]) and _positive(compute["op_overhead_s"])
     assert 1 < compute["backward_factor"] < 10  # a block's backward: more than its forward
+    # a real block against its ops' roofline at the rates measured beside it: near 1, and not
+    # far faster than the roofline (which would mean the rates were mismeasured)
+    assert 0.7 < compute["compute_factor"] < 5
 
 
 @pytest.mark.slow

@@ -47,9 +47,15 @@ MATMUL_SHAPES = [(512, 384, 1152), (512, 384, 384), (512, 1536, 384)]  # M, K, N
 STALL_S = 2e-3  # a communication call this slow waited for something (gloo here: ~4 ms)
 BANDWIDTH_BYTES = 16 * MIB  # each of the elementwise op's three tensors
 OP_CHAIN = 64  # tiny ops per forward of the dispatch measurement
-BLOCK = dict(n_embd=384, n_head=8, block_size=128)  # the backward factor's block: gpt-small's
+BLOCK = dict(n_embd=384, n_head=8, block_size=128)  # the block factors' block: gpt-small's
 BLOCK_BATCH = 4
-COMPUTE = ("matmul_flops", "memory_bandwidth", "op_overhead_s", "backward_factor")
+COMPUTE = (
+    "matmul_flops",
+    "memory_bandwidth",
+    "op_overhead_s",
+    "backward_factor",
+    "compute_factor",
+)
 RUNTIME = ("rtp_step_overhead_s", "fsdp_block_overhead_s", "fsdp_optimizer_overhead_s")
 COMMS = ("ring_hop", "all_reduce", "all_gather", "reduce_scatter")
 LAYERS, WIDTH, BATCH = 4, 64, 16  # the runtime overhead's model: LAYERS x Linear(WIDTH, WIDTH)
@@ -160,11 +166,15 @@ def _op_overhead(s: Settings) -> float:
     return _median_time(chain, 5 * s.compute_repeats, 5) / (OP_CHAIN + 1)
 
 
-def _backward_factor(s: Settings) -> float:
-    """A transformer block's backward time over its forward's (TinyGPT's block at BLOCK's
-    shape, batch BLOCK_BATCH, autograd recording in both): what the time model multiplies each
-    op's forward by (2 for a matmul alone; attention, norms and activations' backward more)."""
+def _block_factors(s: Settings, compute: dict) -> tuple[float, float]:
+    """TinyGPT's block at BLOCK's shape, batch BLOCK_BATCH, autograd recording in both:
+    (its backward time over its forward's, what the time model multiplies each op's forward by:
+    2 for a matmul alone, attention, norms and activations' backward more; its forward's time
+    over the roofline time of its ops (`cost.profile` on fake tensors, priced at `compute`, the
+    rates just measured): what small and fused-less kernels lose against the rates)."""
     from rtp_compile.apps.models import Block, GPTConfig
+    from rtp_compile.cost.hardware import Hardware, Level
+    from rtp_compile.cost.profile import profile_forward
 
     torch.manual_seed(0)
     block = Block(GPTConfig(n_layer=1, **BLOCK))
@@ -176,7 +186,13 @@ def _backward_factor(s: Settings) -> float:
         forward_s += _times(lambda: block(x), 1, 1)
         both_s += _times(lambda: block(x).sum().backward(), 1, 1)
     forward, both = statistics.median(forward_s), statistics.median(both_s)
-    return max(both - forward, 0.0) / forward
+    gm = torch.fx.symbolic_trace(block)
+    ops = profile_forward(
+        gm, dict(gm.named_parameters()), {"x": (tuple(x.shape), x.dtype)}, False
+    ).ops
+    rates = Hardware("calibrating", "", compute, (Level("-", None, 0.0, 1.0),), {}).rates(1)
+    roofline = sum(rates.op_time(o.flops, o.bytes, o.itemsize) for o in ops)
+    return max(both - forward, 0.0) / forward, forward / roofline
 
 
 def _comm_fn(op: str, nbytes: int, rank: int, world_size: int) -> tuple[Callable[[], None], int]:
@@ -228,7 +244,7 @@ def measure_rank(rank: int, world_size: int, s: Settings) -> dict:
     dist.barrier()
     out["op_overhead_s"] = _op_overhead(s)
     dist.barrier()
-    out["backward_factor"] = _backward_factor(s)
+    out["backward_factor"], out["compute_factor"] = _block_factors(s, out)
     # Rounds over every op and size, so that a stretch of stalls (gloo's calls here take ~4 ms
     # now and then, a tight loop of hops most: see the ring_hop note) is spread over them all.
     calls = {
@@ -394,6 +410,7 @@ def _median_over_ranks(ranks: list[dict]) -> dict:
         "memory_bandwidth": statistics.median(r["memory_bandwidth"] for r in ranks),
         "op_overhead_s": statistics.median(r["op_overhead_s"] for r in ranks),
         "backward_factor": statistics.median(r["backward_factor"] for r in ranks),
+        "compute_factor": statistics.median(r["compute_factor"] for r in ranks),
     }
     for op in COMMS:
         out[op] = [
@@ -508,7 +525,8 @@ def run(
         "op_overhead_s: "
         f"forward + backward of a chain of {OP_CHAIN} mul/add ops and a sum on a 1 x 8 tensor "
         "requiring grad, per forward op; backward_factor: (forward + backward - forward) / "
-        f"forward of TinyGPT's block {BLOCK}, batch {BLOCK_BATCH}, medians",
+        f"forward of TinyGPT's block {BLOCK}, batch {BLOCK_BATCH}, medians; compute_factor: "
+        "that forward over its ops' roofline time at the rates above (cost.profile)",
         f"communication: gloo, float32, {s.sizes[0]} .. {s.sizes[-1]} bytes "
         f"({len(s.sizes)} sizes), [a s, b s/byte] of seconds = a + b * bytes, least squares on "
         "the relative error; bytes: ring_hop the message, all_reduce the tensor, all_gather "
@@ -589,6 +607,7 @@ def _table(measured: dict[str, dict], raw: dict[int, dict]) -> str:
     rows.append(["memory GB/s"] + [_fmt(measured[n]["memory_bandwidth"], 1e-9) for n in ns])
     rows.append(["eager op us"] + [_fmt(measured[n]["op_overhead_s"], 1e6) for n in ns])
     rows.append(["backward / forward"] + [_fmt(measured[n]["backward_factor"], 1) for n in ns])
+    rows.append(["block / roofline"] + [_fmt(measured[n]["compute_factor"], 1) for n in ns])
     for op in COMMS:
         rows.append([f"{op} latency us"] + [_fmt(measured[n][op][0], 1e6) for n in ns])
         rows.append([f"{op} GB/s (1/b)"] + [_fmt(1 / measured[n][op][1], 1e-9) for n in ns])

@@ -16,10 +16,10 @@ sender's core), `host_runs_ahead`: whether the host issues work before the devic
 A description is JSON (the calibrated one's keys; specs leave out `measured`):
 {"name", "source", "cores", "host_runs_ahead", "overlap", "compute": {"matmul_flops":
 {"float32": .., "bfloat16": ..}, "memory_bandwidth", "op_overhead_s", "backward_factor"
-(optional: a block's backward time over its forward's, 2 where not measured)}, "levels": [{"name",
-"ranks", "latency_s", "bandwidth"}], "runtime": {"rtp_step_overhead_s", "fsdp_block_overhead_s",
-"fsdp_optimizer_overhead_s"}, "measured": {"N":
-{...}}, "notes": [...]}.
+(optional: a block's backward time over its forward's, 2 where not measured), "compute_factor"
+(optional: a block's measured forward over its ops' roofline time, 1 where not measured)},
+"levels": [{"name", "ranks", "latency_s", "bandwidth"}], "runtime": {"rtp_step_overhead_s",
+"fsdp_block_overhead_s", "fsdp_optimizer_overhead_s"}, "measured": {"N": {...}}, "notes": [...]}.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 _SHIPPED = pathlib.Path(__file__).with_name("descriptions")
 _DTYPE_OF_ITEMSIZE = {8: "float64", 4: "float32", 2: "bfloat16", 1: "float8"}
 DEFAULT_BACKWARD_FACTOR = 2.0  # a matmul's backward: two matmuls of its size
+DEFAULT_COMPUTE_FACTOR = 1.0  # ops run at the roofline the rates give
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Rates:
     memory_bandwidth: float
     op_overhead_s: float
     backward_factor: float  # an op's backward time over its forward's
+    compute_factor: float  # an op's time over its roofline's (launch, then max of the two)
     rtp_step_overhead_s: float
     fsdp_block_overhead_s: float  # FSDP2's own cost per block and step (hooks, copies)
     fsdp_optimizer_overhead_s: float  # per parameter tensor: the optimizer's ops on DTensors
@@ -85,9 +87,10 @@ class Rates:
         )
 
     def op_time(self, flops: float, nbytes: float, itemsize: int = 4) -> float:
-        """One op: its launch, then the longer of its arithmetic and its memory traffic."""
-        return self.op_overhead_s + max(
-            flops / self.flops(itemsize), nbytes / self.memory_bandwidth
+        """One op: its launch, then the longer of its arithmetic and its memory traffic,
+        times `compute_factor` (what a real block's ops take over that roofline)."""
+        return self.compute_factor * (
+            self.op_overhead_s + max(flops / self.flops(itemsize), nbytes / self.memory_bandwidth)
         )
 
 
@@ -147,6 +150,7 @@ class Hardware:
             memory_bandwidth=float(compute["memory_bandwidth"]) * share,
             op_overhead_s=float(compute["op_overhead_s"]) / share,
             backward_factor=float(compute.get("backward_factor", DEFAULT_BACKWARD_FACTOR)),
+            compute_factor=float(compute.get("compute_factor", DEFAULT_COMPUTE_FACTOR)),
             rtp_step_overhead_s=float(runtime.get("rtp_step_overhead_s", 0.0)) / share,
             fsdp_block_overhead_s=float(runtime.get("fsdp_block_overhead_s", 0.0)) / share,
             fsdp_optimizer_overhead_s=float(runtime.get("fsdp_optimizer_overhead_s", 0.0)) / share,
@@ -180,7 +184,7 @@ class Hardware:
         return (
             f"{self.name}: matmul {flops}; memory {r.memory_bandwidth / 1e9:.3g} GB/s; "
             f"{r.op_overhead_s * 1e6:.3g} us per op; backward {r.backward_factor:.3g} x "
-            f"forward; RTP runtime "
+            f"forward; ops {r.compute_factor:.3g} x their roofline; RTP runtime "
             f"{r.rtp_step_overhead_s * 1e6:.3g} us per unit-step; {link}"
         )
 
