@@ -169,9 +169,10 @@ def _op_overhead(s: Settings) -> float:
 def _block_factors(s: Settings, compute: dict) -> tuple[float, float]:
     """TinyGPT's block at BLOCK's shape, batch BLOCK_BATCH, autograd recording in both:
     (its backward time over its forward's, what the time model multiplies each op's forward by:
-    2 for a matmul alone, attention, norms and activations' backward more; its forward's time
-    over the roofline time of its ops (`cost.profile` on fake tensors, priced at `compute`, the
-    rates just measured): what small and fused-less kernels lose against the rates)."""
+    2 for a matmul alone, attention, norms and activations' backward more; its forward's time,
+    less its ops' launches, over the roofline time of its ops (`cost.profile` on fake tensors,
+    priced at `compute`, the rates just measured): what real kernels on these shapes lose
+    against the rates)."""
     from rtp_compile.apps.models import Block, GPTConfig
     from rtp_compile.cost.hardware import Hardware, Level
     from rtp_compile.cost.profile import profile_forward
@@ -191,8 +192,9 @@ def _block_factors(s: Settings, compute: dict) -> tuple[float, float]:
         gm, dict(gm.named_parameters()), {"x": (tuple(x.shape), x.dtype)}, False
     ).ops
     rates = Hardware("calibrating", "", compute, (Level("-", None, 0.0, 1.0),), {}).rates(1)
-    roofline = sum(rates.op_time(o.flops, o.bytes, o.itemsize) for o in ops)
-    return max(both - forward, 0.0) / forward, forward / roofline
+    roofline = sum(rates.roofline(o.flops, o.bytes, o.itemsize) for o in ops)
+    launches = len(ops) * rates.op_overhead_s
+    return max(both - forward, 0.0) / forward, max(forward - launches, 0.0) / roofline
 
 
 def _comm_fn(op: str, nbytes: int, rank: int, world_size: int) -> tuple[Callable[[], None], int]:
@@ -526,7 +528,8 @@ def run(
         f"forward + backward of a chain of {OP_CHAIN} mul/add ops and a sum on a 1 x 8 tensor "
         "requiring grad, per forward op; backward_factor: (forward + backward - forward) / "
         f"forward of TinyGPT's block {BLOCK}, batch {BLOCK_BATCH}, medians; compute_factor: "
-        "that forward over its ops' roofline time at the rates above (cost.profile)",
+        "that forward less its ops' launches over their roofline time at the rates above "
+        "(cost.profile)",
         f"communication: gloo, float32, {s.sizes[0]} .. {s.sizes[-1]} bytes "
         f"({len(s.sizes)} sizes), [a s, b s/byte] of seconds = a + b * bytes, least squares on "
         "the relative error; bytes: ring_hop the message, all_reduce the tensor, all_gather "

@@ -17,7 +17,8 @@ A description is JSON (the calibrated one's keys; specs leave out `measured`):
 {"name", "source", "cores", "host_runs_ahead", "overlap", "compute": {"matmul_flops":
 {"float32": .., "bfloat16": ..}, "memory_bandwidth", "op_overhead_s", "backward_factor"
 (optional: a block's backward time over its forward's, 2 where not measured), "compute_factor"
-(optional: a block's measured forward over its ops' roofline time, 1 where not measured)},
+(optional: a block's measured forward, less its ops' launches, over their roofline time, 1 where
+not measured)},
 "levels": [{"name", "ranks", "latency_s", "bandwidth"}], "runtime": {"rtp_step_overhead_s",
 "fsdp_block_overhead_s", "fsdp_optimizer_overhead_s"}, "measured": {"N": {...}}, "notes": [...]}.
 """
@@ -68,7 +69,7 @@ class Rates:
     memory_bandwidth: float
     op_overhead_s: float
     backward_factor: float  # an op's backward time over its forward's
-    compute_factor: float  # an op's time over its roofline's (launch, then max of the two)
+    compute_factor: float  # an op's time after its launch over its roofline's
     rtp_step_overhead_s: float
     fsdp_block_overhead_s: float  # FSDP2's own cost per block and step (hooks, copies)
     fsdp_optimizer_overhead_s: float  # per parameter tensor: the optimizer's ops on DTensors
@@ -87,11 +88,13 @@ class Rates:
         )
 
     def op_time(self, flops: float, nbytes: float, itemsize: int = 4) -> float:
-        """One op: its launch, then the longer of its arithmetic and its memory traffic,
+        """One op: its launch, then the longer of its arithmetic and its memory traffic
         times `compute_factor` (what a real block's ops take over that roofline)."""
-        return self.compute_factor * (
-            self.op_overhead_s + max(flops / self.flops(itemsize), nbytes / self.memory_bandwidth)
-        )
+        return self.op_overhead_s + self.compute_factor * self.roofline(flops, nbytes, itemsize)
+
+    def roofline(self, flops: float, nbytes: float, itemsize: int = 4) -> float:
+        """The longer of an op's arithmetic and its memory traffic at these rates."""
+        return max(flops / self.flops(itemsize), nbytes / self.memory_bandwidth)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,10 @@ batch and world size, before anything runs (`prog.cost(..., hardware=...).step_t
 
 Each op of the forward (`cost.profile`: its FLOPs and bytes, measured on fake tensors) costs
 its launch plus the longer of its arithmetic and its memory traffic at the hardware's rates
-(`cost.hardware`), times `compute_factor` (1 unless calibrated: a transformer block's measured
-forward over that roofline); its backward `backward_factor` times that (2, a matmul's two,
-unless calibrated on the same block). A rank has two resources, its compute stream and
-its link, and each kind's step is replayed on them in program order:
+(`cost.hardware`) times `compute_factor` (1 unless calibrated: a transformer block's measured
+forward, less its launches, over that roofline); its backward `backward_factor` times that (2,
+a matmul's two, unless calibrated on the same block). A rank has two resources, its compute
+stream and its link, and each kind's step is replayed on them in program order:
 
 - DDP: forward, then backward; each 25 MiB gradient bucket (in reverse parameter order, as
   the reducer fills them) is all-reduced on the link once its last gradient is produced, while
