@@ -49,7 +49,7 @@ BANDWIDTH_BYTES = 16 * MIB  # each of the elementwise op's three tensors
 OP_CHAIN = 64  # tiny ops per forward of the dispatch measurement
 BLOCK = dict(n_embd=384, n_head=8, block_size=128)  # the block factors' block: gpt-small's
 BLOCK_BATCH = 4
-COMPUTE = (
+COMPUTE = (  # matmul_flops (per dtype) first, then the scalar rates
     "matmul_flops",
     "memory_bandwidth",
     "op_overhead_s",
@@ -409,11 +409,9 @@ def _median_over_ranks(ranks: list[dict]) -> dict:
             for dtype in ranks[0]["matmul_flops"]
             if all(dtype in r["matmul_flops"] for r in ranks)
         },
-        "memory_bandwidth": statistics.median(r["memory_bandwidth"] for r in ranks),
-        "op_overhead_s": statistics.median(r["op_overhead_s"] for r in ranks),
-        "backward_factor": statistics.median(r["backward_factor"] for r in ranks),
-        "compute_factor": statistics.median(r["compute_factor"] for r in ranks),
     }
+    for key in COMPUTE[1:]:  # the scalar ones, after matmul_flops
+        out[key] = statistics.median(r[key] for r in ranks)
     for op in COMMS:
         out[op] = [
             [ranks[0][op][i][0], statistics.median(r[op][i][1] for r in ranks)]
